@@ -1,0 +1,39 @@
+# dspark — the two set-up commands: `make serve` (main job) and `make test` (whole suite).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TINY := build/tiny-model
+PROMPT ?= def fibonacci(n):
+
+.PHONY: install serve test lint bench profile clean
+
+$(BIN)/dspark: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(BIN)/dspark
+
+$(TINY)/config.json: | $(BIN)/dspark
+	$(BIN)/dspark make-tiny-model $(TINY)
+
+# Main job (for now): speculative generation with the n-gram drafter on a tiny demo model, then the same
+# prompt without speculation; greedy outputs are identical, τ and tokens/s differ.
+serve: $(TINY)/config.json
+	$(BIN)/dspark generate --model $(TINY) --method ngram --gamma 4 --max-tokens 96 --prompt '$(PROMPT)'
+	$(BIN)/dspark generate --model $(TINY) --method none --max-tokens 96 --prompt '$(PROMPT)'
+
+test: $(BIN)/dspark
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+lint: $(BIN)/dspark
+	$(BIN)/ruff check .
+
+bench: $(BIN)/dspark
+	$(BIN)/python benchmarks/engine.py
+
+clean:
+	rm -rf $(VENV) build .pytest_cache .ruff_cache

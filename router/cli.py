@@ -1,0 +1,116 @@
+"""`dspark` command line: generate, profile, make-tiny-model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from services.errors import DsparkError
+
+METHODS = ("none", "ngram")
+POLICIES = ("none", "fixed")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate in-process (no Ray, no gRPC), with or without speculation")
+    _add_model_args(gen)
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt")
+    src.add_argument("--prompts", type=Path, help='JSONL file, one {"prompt": "..."} per line')
+    gen.add_argument("--drafter", type=Path, help="trained drafter directory (methods that need one)")
+    gen.add_argument("--method", default="none", choices=METHODS, help="drafting method")
+    gen.add_argument("--gamma", type=int, default=4, help="block size γ: draft tokens per cycle")
+    gen.add_argument("--policy", choices=POLICIES, help="verify-length policy (default: fixed with a drafter)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0 is off")
+    gen.add_argument("--seed", type=int, help="per-request seed (request i uses seed + i)")
+    gen.add_argument("--max-batch", type=int, default=8, help="requests decoded together (KV slots)")
+    gen.add_argument("--max-len", type=int, default=1024, help="positions per KV slot")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+
+    prof = sub.add_parser("profile", help="measure the SPS(B) table of a target model")
+    _add_model_args(prof)
+    prof.add_argument("--batch-tokens", default="1,2,4,8,16,32,64,128", help="comma-separated B values")
+    prof.add_argument("--context", type=int, default=512, help="cached tokens per request")
+    prof.add_argument("--tokens-per-request", type=int, default=8, help="new tokens per request (1 + γ)")
+    prof.add_argument("--repeats", type=int, default=10)
+    prof.add_argument("--json", action="store_true")
+
+    tiny = sub.add_parser("make-tiny-model", help="write a small random-weight Llama + BPE tokenizer (demo)")
+    tiny.add_argument("out", type=Path)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--layers", type=int, default=4)
+    tiny.add_argument("--vocab-size", type=int, default=2048)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "threads", 0):
+        torch.set_num_threads(args.threads)
+    try:
+        return _COMMANDS[args.command](args)
+    except (DsparkError, ValueError, FileNotFoundError) as exc:
+        Console(stderr=True).print(f"[bold red]error:[/] {exc}")
+        return 2
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from router.cli_generate import run_generate
+
+    return run_generate(args)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from services.loader import load_model
+    from verifier_worker.profile import profile_sps
+
+    batch_tokens = tuple(int(b) for b in args.batch_tokens.split(","))
+    model = load_model(args.model, args.dtype, args.device)
+    points = profile_sps(model, batch_tokens, args.context, args.tokens_per_request, args.repeats)
+    if args.json:
+        meta = {"model": str(args.model), "dtype": args.dtype, "device": str(model.device),
+                "context": args.context, "tokens_per_request": args.tokens_per_request}
+        sys.stdout.write(json.dumps({**meta, "points": [p.as_dict() for p in points]}) + "\n")
+        return 0
+    table = Table(title=f"SPS(B) — {args.model} ({args.dtype}, context {args.context})")
+    for col in ("B (batch tokens)", "requests", "step ms", "SPS", "tokens/s"):
+        table.add_column(col, justify="right")
+    for p in points:
+        table.add_row(str(p.batch_tokens), str(p.requests), f"{p.step_ms:.2f}", f"{p.sps:.1f}",
+                      f"{p.tokens_per_s:.0f}")
+    Console().print(table)
+    return 0
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from services.tiny_model import build_tiny_model
+
+    out = build_tiny_model(args.out, seed=args.seed, vocab_size=args.vocab_size, layers=args.layers)
+    Console(stderr=True).print(f"wrote a random-weight demo model to {out}")
+    return 0
+
+
+_COMMANDS = {"generate": _generate, "profile": _profile, "make-tiny-model": _make_tiny}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

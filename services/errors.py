@@ -1,0 +1,17 @@
+"""Errors shared by every tier. Plain and picklable; the transport layers map them to status codes."""
+
+
+class DsparkError(Exception):
+    """Base of every error this project raises on purpose."""
+
+
+class ModelLoadError(DsparkError):
+    """A model directory, config or tensor is missing, malformed or unsupported."""
+
+
+class InvalidRequestError(DsparkError):
+    """The request itself is wrong (bad sampling parameters, prompt too long, unknown id)."""
+
+
+class CapacityError(DsparkError):
+    """The request is valid but does not fit now (no KV slot, queue full); the client may retry."""

@@ -1,0 +1,103 @@
+"""Load a Hugging Face checkpoint (`config.json` + `*.safetensors`, sharded or not) into `CausalLM`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from services.errors import ModelLoadError
+from services.model import CausalLM
+from services.model_config import ModelConfig
+
+# Buffers some exporters write that carry nothing the model needs.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_device(name: str | torch.device | None) -> torch.device:
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def tensor_index(model_dir: Path) -> dict[str, Path]:
+    """Tensor name → safetensors file, from the shard index or from the single file."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = {name: model_dir / shard for name, shard in weight_map.items()}
+        for path in set(files.values()):
+            if not path.is_file():
+                raise ModelLoadError(f"{index} names shard {path.name}, which is missing")
+        return files
+    single = sorted(model_dir.glob("*.safetensors"))
+    if not single:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors files")
+    files: dict[str, Path] = {}
+    for path in single:
+        with safe_open(path, framework="pt") as f:
+            files.update({name: path for name in f.keys()})  # noqa: SIM118 (safe_open is not a dict)
+    return files
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str | torch.device | None = "cpu",
+    tap_layers: tuple[int, ...] = (),
+) -> CausalLM:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir}: not a directory")
+    cfg = ModelConfig.from_dir(model_dir)
+    dtype, device = resolve_dtype(dtype), resolve_device(device)
+    with torch.device("meta"):
+        model = CausalLM(cfg, tap_layers)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    state = _read_tensors(tensor_index(model_dir), expected, dtype, device)
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def _read_tensors(files, expected, dtype, device) -> dict[str, torch.Tensor]:
+    missing = [name for name in expected if name not in files]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"checkpoint is missing tensor {missing[0]!r}{more}")
+    tied_head = "lm_head.weight" not in expected
+    unexpected = [
+        name for name in files
+        if name not in expected and not name.endswith(_IGNORED_SUFFIXES)
+        and not (tied_head and name == "lm_head.weight")
+    ]
+    if unexpected:
+        raise ModelLoadError(f"checkpoint has tensor {unexpected[0]!r}, which this architecture lacks")
+    state = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            for name in names:
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(expected[name]):
+                    raise ModelLoadError(
+                        f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}"
+                    )
+                state[name] = tensor.to(device=device, dtype=dtype)
+    return state

@@ -1,0 +1,78 @@
+"""Llama-family causal LM with a ragged, cache-backed forward and feature taps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from services.layers import DecoderLayer, RaggedLayout, RMSNorm
+from services.model_config import ModelConfig
+from services.rope import RotaryTable
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    logits: torch.Tensor  # [M, V] fp32, for the requested rows only
+    features: torch.Tensor | None  # [N, num_taps * d] hidden states after the tap layers, model dtype
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Target model. `tap_layers` are decoder-layer indices (0-based) whose outputs are features."""
+
+    def __init__(self, cfg: ModelConfig, tap_layers: tuple[int, ...] = ()):
+        super().__init__()
+        for tap in tap_layers:
+            if not 0 <= tap < cfg.num_hidden_layers:
+                raise ValueError(f"tap layer {tap} outside 0..{cfg.num_hidden_layers - 1}")
+        self.config = cfg
+        self.tap_layers = tuple(tap_layers)
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._rotary: RotaryTable | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def rotary(self) -> RotaryTable:
+        if self._rotary is None or self._rotary.cos.device != self.device:
+            cfg = self.config
+            self._rotary = RotaryTable(cfg.rope, cfg.head_dim, cfg.max_context, self.device)
+        return self._rotary
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [N] int64, new tokens of all requests, flattened
+        positions: torch.Tensor,  # [N] int64
+        layout: RaggedLayout,
+        k_cache: torch.Tensor,  # [num_layers, S, Hkv, L, Dh]
+        v_cache: torch.Tensor,  # [num_layers, S, Hkv, L, Dh]
+        logit_rows: torch.Tensor,  # [M] int64, rows of N whose next-token logits are wanted
+    ) -> ForwardOutput:
+        x = self.model.embed_tokens(input_ids)  # [N, d]
+        rope = self.rotary().gather(positions, x.dtype)
+        taps = []
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rope, layout, k_cache[i], v_cache[i])
+            if i in self.tap_layers:
+                taps.append(x)
+        h = self.model.norm(x[logit_rows])  # [M, d]
+        logits = self.lm_head(h).float()  # [M, V]
+        features = torch.cat(taps, dim=-1) if taps else None  # [N, T*d]
+        return ForwardOutput(logits=logits, features=features)

@@ -1,0 +1,116 @@
+"""The acceptance rule of speculative decoding, as pure functions.
+
+Vocabulary (DESIGN §1):
+- target distribution p_k: the target's next-token distribution at draft position k, after the
+  request's temperature, top-k and top-p (the distribution the output must follow exactly);
+- draft distribution q_k: what the drafter sampled x_k from. Drafters send it *sparse and
+  truncated* (support ids + probs); rejection sampling is exact for any q, so truncation costs
+  acceptance, never correctness. No q means one-hot at x_k (greedy or deterministic drafters);
+- accepted: drafts with u_k < min(1, p_k(x_k) / q_k(x_k)), i.i.d. uniforms u_k;
+- recovered: at the first rejection j, a token from norm(max(0, p_j − q_j));
+- bonus: when all ℓ drafts pass, a token from p_{ℓ+1}.
+A cycle emits accepted + 1 tokens. Greedy (temperature 0) is exact match with the target argmax.
+
+One fp32 path (`logits_to_probs`, `sample`) serves the target, the drafters' q and the bonus token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.types import DraftBlock, OutcomeKind
+
+_RESIDUAL_EPS = 1e-12
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [M, V]
+    temperature: torch.Tensor,  # [M] fp32; 0 = greedy (one-hot at the argmax)
+    top_k: torch.Tensor,  # [M] int64; 0 = off
+    top_p: torch.Tensor,  # [M] fp32; 1 = off
+) -> torch.Tensor:
+    """[M, V] fp32 probabilities after temperature, then top-k, then top-p (vLLM's order)."""
+    logits = logits.float()
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        scaled = _filter_top_k_top_p(scaled, top_k, top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
+    return probs
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    # Sort once ascending; mask the tail below the k-th largest, then the low-mass prefix beyond top_p.
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1)  # [M, V] ascending
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [M]
+    kth = sorted_logits.gather(-1, (vocab - k).unsqueeze(-1))  # [M, 1]
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    cumulative = sorted_logits.softmax(-1).cumsum(-1)  # [M, V]
+    drop = cumulative <= (1 - top_p).unsqueeze(-1)
+    drop[:, -1] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of probs [M, V] → [M] int64."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def truncate_to_sparse(probs: torch.Tensor, max_k: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncate each row of probs [γ, V] to its top `max_k` support, renormalised.
+
+    Returns (ids [γ, K], probs [γ, K]) with K = min(max_k, V): the q' a drafter samples from and sends.
+    """
+    top_probs, top_ids = probs.float().topk(min(max_k, probs.shape[-1]), dim=-1)
+    return top_ids, top_probs / top_probs.sum(-1, keepdim=True)
+
+
+def densify(ids: torch.Tensor, probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Sparse q (ids [γ, K], probs [γ, K]) → dense [γ, V] fp32."""
+    return torch.zeros(ids.shape[0], vocab_size, dtype=torch.float32, device=probs.device).scatter_(
+        -1, ids.long(), probs.float()
+    )
+
+
+def draft_q(draft: DraftBlock, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Dense q [ℓ, V] of a draft block; one-hot at the tokens when the block carries no q."""
+    if draft.q_ids is None or draft.q_probs is None:
+        tokens = torch.tensor(draft.tokens, dtype=torch.long, device=device)
+        return torch.zeros(len(draft), vocab_size, device=device).scatter_(-1, tokens[:, None], 1.0)
+    return densify(draft.q_ids.to(device), draft.q_probs.to(device), vocab_size)
+
+
+def accept_greedy(target_argmax: list[int], draft_tokens: list[int]) -> tuple[int, int, OutcomeKind]:
+    """Exact match. target_argmax [ℓ+1], draft [ℓ] → (accepted, next token, kind)."""
+    for k, token in enumerate(draft_tokens):
+        if token != target_argmax[k]:
+            return k, target_argmax[k], OutcomeKind.RECOVERED
+    return len(draft_tokens), target_argmax[len(draft_tokens)], OutcomeKind.BONUS
+
+
+def accept_stochastic(
+    p: torch.Tensor,  # [ℓ+1, V] fp32 target distributions at the anchor and each draft
+    draft_tokens: list[int],  # [ℓ]
+    q: torch.Tensor,  # [ℓ, V] fp32 draft distributions
+    generator: torch.Generator | None = None,
+) -> tuple[int, int, OutcomeKind]:
+    """Leviathan et al. rejection sampling → (accepted, next token, kind). Output follows p exactly."""
+    n = len(draft_tokens)
+    if n:
+        x = torch.tensor(draft_tokens, dtype=torch.long, device=p.device)  # [ℓ]
+        p_x = p[:n].gather(-1, x[:, None]).squeeze(-1)  # [ℓ]
+        q_x = q.gather(-1, x[:, None]).squeeze(-1)  # [ℓ]
+        u = torch.rand(n, generator=generator, device=p.device)  # [ℓ]
+        rejected = (u * q_x >= p_x).nonzero()
+        if rejected.numel():
+            j = int(rejected[0, 0])
+            residual = (p[j] - q[j]).clamp_min(0)  # [V]
+            mass = residual.sum()
+            dist = residual / mass if mass > _RESIDUAL_EPS else p[j]
+            return j, int(sample(dist[None], generator)[0]), OutcomeKind.RECOVERED
+    return n, int(sample(p[n : n + 1], generator)[0]), OutcomeKind.BONUS

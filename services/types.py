@@ -1,0 +1,90 @@
+"""Typed contracts between stages (DESIGN §1 vocabulary)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+
+from services.errors import InvalidRequestError
+
+
+class OutcomeKind(StrEnum):
+    """How the last emitted token of a cycle came about."""
+
+    BONUS = "bonus"  # every verified draft was accepted; extra token from p_{ℓ+1}
+    RECOVERED = "recovered"  # resampled from norm(max(0, p_j − q_j)) at the first rejection j
+    FIRST = "first"  # sampled after prefill (the first anchor)
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling. temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
+            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class DraftBlock:
+    """γ draft tokens from the anchor with their sparse truncated draft distributions q'_k.
+
+    q_ids/q_probs None means q is one-hot at each token (greedy or deterministic drafters such as
+    n-gram); otherwise row k is the support of q'_k and its probabilities (summing to 1).
+    """
+
+    tokens: list[int]  # [γ]
+    q_ids: torch.Tensor | None = None  # [γ, K] int64
+    q_probs: torch.Tensor | None = None  # [γ, K] fp32
+    confidences: list[float] | None = None  # [γ] c_k, when the drafter has a confidence head
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def head(self, length: int) -> DraftBlock:
+        """The first `length` drafts (the verify length ℓ chosen by the scheduler)."""
+        cut = slice(0, length)
+        return DraftBlock(
+            tokens=self.tokens[cut],
+            q_ids=None if self.q_ids is None else self.q_ids[cut],
+            q_probs=None if self.q_probs is None else self.q_probs[cut],
+            confidences=None if self.confidences is None else self.confidences[cut],
+        )
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    emitted: list[int]  # tokens newly committed as output: accepted drafts + recovered/bonus (or first)
+    num_drafts: int = 0  # ℓ verified this step
+    num_accepted: int = 0
+    kind: OutcomeKind | None = None  # None for a prefill chunk that emits nothing yet
+    feature_start: int = 0  # position of the first row of `features`
+    features: torch.Tensor | None = None  # [P, num_taps * d] of the newly committed positions

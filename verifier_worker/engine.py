@@ -1,0 +1,271 @@
+"""The verifier engine: `schedule → execute → update`, one ragged forward per step.
+
+A step batches two kinds of work item: prefill chunks (prompt tokens, chunked under a token
+budget so long prompts do not stall decoding) and verify items ([anchor, x1..xℓ] of one cycle;
+ℓ = 0 is plain decoding). After the forward the acceptance rule runs per request, accepted
+positions are committed and rejected ones rolled back by truncating the request's KV slot.
+
+Invariant per running request: `tokens` holds every committed token; the cache holds all of
+them except the last (the anchor), which the next verify item feeds.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import torch
+
+from services.errors import CapacityError, InvalidRequestError
+from services.layers import RaggedLayout
+from services.model import CausalLM
+from services.sampling import accept_greedy, accept_stochastic, draft_q, logits_to_probs, sample
+from services.types import DraftBlock, OutcomeKind, SamplingParams, StepOutput
+from verifier_worker.kv_cache import KVCache
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    num_slots: int = 8  # concurrent requests holding KV
+    max_len: int = 1024  # positions per slot: prompt + output + drafts in flight
+    max_batch_tokens: int = 256  # prefill token budget of one step (verify items always run)
+    max_waiting: int = 256  # admitted requests waiting for a slot; beyond it add_request refuses
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    params: SamplingParams
+    tokens: list[int]  # committed: prompt, then emitted tokens (the last is the anchor)
+    prompt_len: int
+    generator: torch.Generator | None
+    prefilled: int = 0  # prompt positions in the cache
+    pending: DraftBlock | None = None  # the cycle submitted for the next step (may be empty)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.prefilled < self.prompt_len
+
+
+@dataclass(slots=True)
+class _Item:
+    """One request's share of a step."""
+
+    request: _Request
+    new_tokens: list[int]
+    start: int  # cache position of new_tokens[0]
+    draft: DraftBlock | None  # None for a prefill chunk
+    logit_offset: int = -1  # first logits row of this item, -1 when it needs none
+
+
+class Engine:
+    def __init__(self, model: CausalLM, config: EngineConfig | None = None):
+        self.model = model
+        self.config = config or EngineConfig()
+        cfg = model.config
+        max_len = min(self.config.max_len, cfg.max_context)
+        self.cache = KVCache(cfg, self.config.num_slots, max_len, model.dtype, model.device)
+        self._running: OrderedDict[str, _Request] = OrderedDict()
+        self._waiting: deque[_Request] = deque()
+
+    # ---- requests -----------------------------------------------------------------------------
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Admit a request; it prefills when a slot is free. Refuses bad input and a full queue."""
+        if request_id in self._running or any(r.request_id == request_id for r in self._waiting):
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not prompt_ids:
+            raise InvalidRequestError("prompt is empty")
+        self._check_vocab(prompt_ids, "prompt")
+        if len(prompt_ids) + params.max_tokens > self.max_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context limit of {self.max_len} tokens"
+            )
+        if len(self._waiting) >= self.config.max_waiting:
+            raise CapacityError(f"engine queue is full ({self.config.max_waiting} waiting)")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
+        self._waiting.append(_Request(request_id, params, list(prompt_ids), len(prompt_ids), generator))
+
+    def submit(self, request_id: str, draft: DraftBlock | None = None) -> int:
+        """Queue one cycle for the next step → the verify length ℓ actually used.
+
+        ℓ is the block's length, cut only by the room left in the request's slot (a decision that
+        depends on no draft token, so it keeps the output distribution).
+        """
+        req = self._running.get(request_id)
+        if req is None or req.in_prefill:
+            raise InvalidRequestError(f"request {request_id!r} is not ready to verify")
+        if req.pending is not None:
+            raise InvalidRequestError(f"request {request_id!r} already has a cycle in flight")
+        draft = draft or DraftBlock(tokens=[])
+        room = self.cache.room(request_id) - 1  # the anchor takes one position
+        if room < 0:
+            raise InvalidRequestError(f"request {request_id!r} reached the context limit")
+        draft = draft.head(min(len(draft), room))
+        self._check_draft(draft)
+        req.pending = draft
+        return len(draft)
+
+    def release(self, request_id: str) -> None:
+        """Forget a request wherever it is and free its slot. Unknown ids are ignored."""
+        self._running.pop(request_id, None)
+        self._waiting = deque(r for r in self._waiting if r.request_id != request_id)
+        self.cache.free(request_id)
+
+    def tokens(self, request_id: str) -> list[int]:
+        return list(self._running[request_id].tokens)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting) or any(r.in_prefill or r.pending is not None for r in self._running.values())
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ---- the step loop ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        items = self._schedule()
+        if not items:
+            return []
+        logits, features = self._execute(items)
+        return self._update(items, logits, features)
+
+    def _schedule(self) -> list[_Item]:
+        while self._waiting and self.cache.has_free_slot():
+            req = self._waiting.popleft()
+            self.cache.allocate(req.request_id)
+            self._running[req.request_id] = req
+        items = []
+        for req in self._running.values():
+            if req.pending is not None:
+                start = len(req.tokens) - 1
+                items.append(_Item(req, [req.tokens[-1], *req.pending.tokens], start, req.pending))
+        budget = self.config.max_batch_tokens - sum(len(it.new_tokens) for it in items)
+        for req in self._running.values():
+            if req.in_prefill and budget > 0:
+                chunk = req.tokens[req.prefilled : min(req.prompt_len, req.prefilled + budget)]
+                items.append(_Item(req, chunk, req.prefilled, None))
+                budget -= len(chunk)
+        return items
+
+    def _execute(self, items: list[_Item]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids, positions, logit_rows = [], [], []
+        layout = RaggedLayout(slots=[], starts=[], lens=[])
+        for it in items:
+            slot, start = self.cache.append(it.request.request_id, len(it.new_tokens))
+            layout.slots.append(slot)
+            layout.starts.append(start)
+            layout.lens.append(len(it.new_tokens))
+            row0 = len(ids)
+            ids.extend(it.new_tokens)
+            positions.extend(range(start, start + len(it.new_tokens)))
+            wanted = self._logit_positions(it)
+            if wanted:
+                it.logit_offset = len(logit_rows)
+                logit_rows.extend(row0 + k for k in wanted)
+        dev = self.model.device
+        out = self.model(
+            torch.tensor(ids, device=dev),
+            torch.tensor(positions, device=dev),
+            layout,
+            self.cache.k,
+            self.cache.v,
+            torch.tensor(logit_rows, dtype=torch.long, device=dev),
+        )
+        return out.logits, out.features
+
+    @staticmethod
+    def _logit_positions(it: _Item) -> range:
+        if it.draft is not None:
+            return range(len(it.new_tokens))  # p_1..p_{ℓ+1}
+        last_chunk = it.start + len(it.new_tokens) == it.request.prompt_len
+        return range(len(it.new_tokens) - 1, len(it.new_tokens)) if last_chunk else range(0)
+
+    def _update(self, items: list[_Item], logits: torch.Tensor, features: torch.Tensor | None) -> list[StepOutput]:
+        probs = self._target_probs(items, logits)  # [M, V]
+        argmax = logits.argmax(-1).tolist()  # [M]
+        outputs, row = [], 0
+        for it in items:
+            feats = None if features is None else features[row : row + len(it.new_tokens)]
+            row += len(it.new_tokens)
+            if it.draft is None:
+                outputs.append(self._finish_prefill_chunk(it, probs, argmax, feats))
+            else:
+                outputs.append(self._finish_verify(it, probs, argmax, feats))
+        return outputs
+
+    def _target_probs(self, items: list[_Item], logits: torch.Tensor) -> torch.Tensor | None:
+        params = [it.request.params for it in items for _ in self._logit_positions(it)]
+        if all(p.greedy for p in params):
+            return None
+        dev = logits.device
+        return logits_to_probs(
+            logits,
+            torch.tensor([p.temperature for p in params], device=dev),
+            torch.tensor([p.top_k for p in params], device=dev),
+            torch.tensor([p.top_p for p in params], device=dev),
+        )
+
+    def _finish_prefill_chunk(self, it: _Item, probs, argmax, feats) -> StepOutput:
+        req = it.request
+        req.prefilled += len(it.new_tokens)
+        out = StepOutput(req.request_id, emitted=[], feature_start=it.start, features=feats)
+        if it.logit_offset >= 0:
+            r = it.logit_offset
+            token = argmax[r] if req.params.greedy else int(sample(probs[r : r + 1], req.generator)[0])
+            req.tokens.append(token)
+            out.emitted, out.kind = [token], OutcomeKind.FIRST
+        return out
+
+    def _finish_verify(self, it: _Item, probs, argmax, feats) -> StepOutput:
+        req, draft = it.request, it.draft
+        rows = slice(it.logit_offset, it.logit_offset + len(draft) + 1)
+        if req.params.greedy:
+            accepted, token, kind = accept_greedy(argmax[rows], draft.tokens)
+        else:
+            q = draft_q(draft, probs.shape[-1], probs.device)
+            accepted, token, kind = accept_stochastic(probs[rows], draft.tokens, q, req.generator)
+        emitted = [*draft.tokens[:accepted], token]
+        # Keep the anchor and the accepted drafts; the new anchor `token` is not cached yet.
+        self.cache.truncate(req.request_id, it.start + 1 + accepted)
+        req.tokens.extend(emitted)
+        req.pending = None
+        return StepOutput(
+            req.request_id,
+            emitted=emitted,
+            num_drafts=len(draft),
+            num_accepted=accepted,
+            kind=kind,
+            feature_start=it.start,
+            features=None if feats is None else feats[: accepted + 1],
+        )
+
+    # ---- validation ---------------------------------------------------------------------------
+    def _check_vocab(self, ids: list[int], what: str) -> None:
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"{what} token id {bad} outside the vocabulary [0, {vocab})")
+
+    def _check_draft(self, draft: DraftBlock) -> None:
+        self._check_vocab(draft.tokens, "draft")
+        if draft.q_ids is None or not draft.tokens:
+            return
+        n = len(draft)
+        if draft.q_probs is None or draft.q_ids.shape != draft.q_probs.shape or draft.q_ids.shape[0] != n:
+            raise InvalidRequestError(f"sparse q must be two [{n}, K] tensors (ids, probs)")
+        tokens = torch.tensor(draft.tokens, dtype=draft.q_ids.dtype)[:, None]
+        q_of_token = torch.where(draft.q_ids == tokens, draft.q_probs, 0.0).sum(-1)  # [ℓ]
+        if bool((q_of_token <= 0).any()):
+            raise InvalidRequestError("a draft token lies outside its own q support (q(x) must be > 0)")
