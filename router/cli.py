@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _COMMANDS[args.command](args)
     except (DsparkError, ValueError, FileNotFoundError) as exc:
-        Console(stderr=True).print(f"[bold red]error:[/] {exc}")
+        Console(stderr=True).print(f"error: {exc}", style="bold red", markup=False, highlight=False)
         return 2
 
 

@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny random fp32 models built by the tests themselves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.model import CausalLM
+from services.tiny_model import random_model, tiny_config
+from verifier_worker.engine import Engine, EngineConfig
+
+VOCAB = 96
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(1234)
+
+
+def make_model(vocab: int = VOCAB, layers: int = 2, hidden: int = 64, seed: int = 0,
+               taps: tuple[int, ...] = ()) -> CausalLM:
+    # std 0.15 gives peaked, repetitive greedy output: drafts get accepted often, so the
+    # accept, reject and bonus paths all run.
+    model = random_model(tiny_config(vocab, eos_id=0, layers=layers, hidden=hidden), seed=seed, std=0.15)
+    model = model.float()
+    model.tap_layers = taps
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> CausalLM:
+    return make_model(taps=(0, 1))
+
+
+def make_engine(model: CausalLM, **kw) -> Engine:
+    defaults = {"num_slots": 4, "max_len": 160, "max_batch_tokens": 24}
+    return Engine(model, EngineConfig(**{**defaults, **kw}))
+
+
+def random_prompts(n: int, vocab: int = VOCAB, seed: int = 7) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (3 + 9 * i,), generator=g).tolist() for i in range(n)]

@@ -1,0 +1,149 @@
+"""Engine: cached incremental decoding equals full recompute; features; admission; bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from router.local import GenerationRequest, LocalRouter
+from router.policy import Policy
+from services.errors import CapacityError, InvalidRequestError
+from services.layers import RaggedLayout
+from services.types import DraftBlock, SamplingParams
+from tests.conftest import make_engine, random_prompts
+from verifier_worker.kv_cache import KVCache
+
+
+def full_forward(model, tokens: list[int]):
+    n = len(tokens)
+    cache = KVCache(model.config, 1, n, torch.float32, torch.device("cpu"))
+    cache.allocate("x")
+    cache.append("x", n)
+    return model(torch.tensor(tokens), torch.arange(n), RaggedLayout([0], [0], [n]), cache.k, cache.v,
+                 torch.arange(n))
+
+
+def test_incremental_decoding_equals_full_recompute(tiny_model):
+    prompt = random_prompts(3)[2]
+    out = full_forward(tiny_model, prompt + [3] * 10)
+    cache = KVCache(tiny_model.config, 2, 64, torch.float32, torch.device("cpu"))
+    cache.allocate("other")
+    cache.append("other", 7)  # a neighbour in slot 0
+    slot = cache.allocate("x")
+    tokens = prompt + [3] * 10
+    for t, token in enumerate(tokens):  # one token per forward
+        _, start = cache.append("x", 1)
+        step = tiny_model(torch.tensor([token]), torch.tensor([t]), RaggedLayout([slot], [start], [1]),
+                          cache.k, cache.v, torch.tensor([0]))
+        torch.testing.assert_close(step.logits[0], out.logits[t], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(step.features[0], out.features[t], atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_engine_output_is_argmax_of_full_forward(tiny_model):
+    prompt = random_prompts(2)[1]
+    result = LocalRouter(make_engine(tiny_model), policy=Policy.NONE).generate(
+        [GenerationRequest("a", prompt, SamplingParams(max_tokens=20))])[0]
+    logits = full_forward(tiny_model, prompt + result.token_ids).logits
+    assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == result.token_ids
+
+
+def _collect_features(engine, rid, prompt, drafts):
+    """Prefill, then one verify cycle per draft block; features stitched by position."""
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=40))
+    rows: dict[int, torch.Tensor] = {}
+    outs = []
+    while engine.has_work() or drafts:
+        if not engine.has_work():
+            engine.submit(rid, drafts.pop(0))
+        for out in engine.step():
+            outs.append(out)
+            for k in range(out.features.shape[0]):
+                rows[out.feature_start + k] = out.features[k]
+    return outs, rows
+
+
+def test_features_of_committed_positions(tiny_model):
+    engine = make_engine(tiny_model, max_batch_tokens=8)  # prompt of 21 tokens → 3 prefill chunks
+    prompt = random_prompts(3)[2]
+    outs, rows = _collect_features(engine, "a", prompt, [DraftBlock([4, 4, 4]), DraftBlock([]),
+                                                         DraftBlock([9, 1])])
+    tokens = engine.tokens("a")
+    assert sorted(rows) == list(range(len(tokens) - 1))  # every committed position except the anchor
+    full = full_forward(tiny_model, tokens).features
+    torch.testing.assert_close(torch.stack([rows[p] for p in sorted(rows)]), full[: len(tokens) - 1],
+                               atol=1e-5, rtol=1e-5)
+    assert [o.num_drafts for o in outs if o.kind and o.kind != "first"] == [3, 0, 2]
+
+
+def test_chunked_prefill_equals_one_shot(tiny_model):
+    prompt = random_prompts(4)[3]  # 30 tokens
+    firsts = []
+    for budget in (4, 7, 64):
+        engine = make_engine(tiny_model, max_batch_tokens=budget)
+        engine.add_request("a", prompt, SamplingParams(max_tokens=4))
+        while engine.has_work():
+            engine.step()
+        firsts.append(engine.tokens("a")[-1])
+    assert len(set(firsts)) == 1
+
+
+def test_admission_control(tiny_model):
+    engine = make_engine(tiny_model, num_slots=1, max_len=32, max_waiting=2)
+    with pytest.raises(InvalidRequestError, match="exceeds the context limit of 32"):
+        engine.add_request("long", list(range(1, 30)), SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request("empty", [], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        engine.add_request("oov", [1, 10_000], SamplingParams(max_tokens=4))
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4))
+    engine.add_request("b", [1, 2, 3], SamplingParams(max_tokens=4))
+    with pytest.raises(CapacityError, match="queue is full"):
+        engine.add_request("c", [1, 2, 3], SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("a", [1], SamplingParams(max_tokens=4))
+    engine.step()  # "a" takes the only slot; "b" waits
+    assert (engine.num_running, engine.num_waiting) == (1, 1)
+    engine.release("a")
+    engine.step()
+    assert (engine.num_running, engine.num_waiting) == (1, 0)
+    assert engine.cache.usage().slots_used == 1
+
+
+def test_bad_drafts_are_refused_and_change_nothing(tiny_model):
+    engine = make_engine(tiny_model)
+    with pytest.raises(InvalidRequestError, match="not ready"):
+        engine.submit("nobody", DraftBlock([1]))
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8, temperature=1.0, seed=3))
+    with pytest.raises(InvalidRequestError, match="not ready"):
+        engine.submit("a", DraftBlock([1]))  # still prefilling
+    engine.step()
+    before = (engine.tokens("a"), engine.cache.length("a"))
+    bad = [
+        DraftBlock([1, 99_999]),
+        DraftBlock([1, 2], q_ids=torch.tensor([[1, 5], [3, 4]]), q_probs=torch.tensor([[0.5, 0.5], [0.5, 0.5]])),
+        DraftBlock([1, 2], q_ids=torch.tensor([[1, 5]]), q_probs=torch.tensor([[0.5, 0.5]])),
+    ]
+    for block in bad:
+        with pytest.raises(InvalidRequestError):
+            engine.submit("a", block)
+    assert (engine.tokens("a"), engine.cache.length("a")) == before
+    engine.submit("a", DraftBlock([1]))
+    with pytest.raises(InvalidRequestError, match="in flight"):
+        engine.submit("a", DraftBlock([1]))
+
+
+def test_verify_length_is_cut_to_the_slot(tiny_model):
+    engine = make_engine(tiny_model, max_len=12)
+    engine.add_request("a", list(range(1, 9)), SamplingParams(max_tokens=4))
+    engine.step()
+    assert engine.submit("a", DraftBlock([1, 2, 3, 4, 5, 6])) == 3  # 8 cached + anchor + 3 drafts = 12
+    engine.step()
+    assert engine.cache.length("a") <= 12
+
+
+def test_seeded_sampling_is_reproducible(tiny_model):
+    reqs = [GenerationRequest(f"s{i}", p, SamplingParams(max_tokens=16, temperature=1.0, top_k=20, seed=11))
+            for i, p in enumerate(random_prompts(3))]
+    runs = [LocalRouter(make_engine(tiny_model), policy=Policy.NONE).generate(reqs) for _ in range(2)]
+    assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
+    assert len({tuple(r.token_ids) for r in runs[0]}) == 3
