@@ -19,7 +19,8 @@ POLICIES = ("none", "fixed")
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="Hugging Face model directory (config.json + safetensors)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32", "float16"),
+                   help="auto: bfloat16 where the device runs it natively, else float32")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
@@ -87,11 +88,11 @@ def _profile(args: argparse.Namespace) -> int:
     model = load_model(args.model, args.dtype, args.device)
     points = profile_sps(model, batch_tokens, args.context, args.tokens_per_request, args.repeats)
     if args.json:
-        meta = {"model": str(args.model), "dtype": args.dtype, "device": str(model.device),
+        meta = {"model": str(args.model), "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),
                 "context": args.context, "tokens_per_request": args.tokens_per_request}
         sys.stdout.write(json.dumps({**meta, "points": [p.as_dict() for p in points]}) + "\n")
         return 0
-    table = Table(title=f"SPS(B) — {args.model} ({args.dtype}, context {args.context})")
+    table = Table(title=f"SPS(B) — {args.model} ({model.dtype}, context {args.context})")
     for col in ("B (batch tokens)", "requests", "step ms", "SPS", "tokens/s"):
         table.add_column(col, justify="right")
     for p in points:

@@ -17,11 +17,23 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+def native_bf16(device: torch.device) -> bool:
+    """Whether bf16 matmuls run natively (CUDA, or a CPU with AVX512-BF16 / AMX) instead of emulated."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """`auto` is bf16 where bf16 is native and fp32 elsewhere: emulated bf16 GEMMs are several times
+    slower than fp32 (measured 7x at 8 rows on an AVX2-only EPYC), native ones faster."""
     if isinstance(name, torch.dtype):
         return name
+    if name == "auto":
+        return torch.bfloat16 if native_bf16(device or torch.device("cpu")) else torch.float32
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(sorted(DTYPES))}")
     return DTYPES[name]
 
 
@@ -53,7 +65,7 @@ def tensor_index(model_dir: Path) -> dict[str, Path]:
 
 def load_model(
     model_dir: str | Path,
-    dtype: str | torch.dtype = "bfloat16",
+    dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = "cpu",
     tap_layers: tuple[int, ...] = (),
 ) -> CausalLM:
@@ -61,7 +73,8 @@ def load_model(
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: not a directory")
     cfg = ModelConfig.from_dir(model_dir)
-    dtype, device = resolve_dtype(dtype), resolve_device(device)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     with torch.device("meta"):
         model = CausalLM(cfg, tap_layers)
     expected = {k: v.shape for k, v in model.state_dict().items()}

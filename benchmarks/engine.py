@@ -1,0 +1,173 @@
+"""Engine benchmark: plain decoding tokens/s, verify cost forward(1+γ)/forward(1), greedy identity in the serving dtype.
+
+Runs on a random-weight Llama of the size the project ships (default d=512, 8 layers, vocab 8192,
+about 35M parameters). Every ratio is against a baseline measured in the same run; forward
+timings interleave all γ round by round so a slow spell of this noisy VM hits them alike.
+
+    python benchmarks/engine.py [--batches 1,4,16] [--gammas 1,3,7,15] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from router.local import GenerationRequest, LocalRouter
+from router.policy import Policy
+from services.loader import resolve_dtype
+from services.tiny_model import random_model, tiny_config
+from services.types import DraftBlock, SamplingParams
+from verifier_worker.engine import Engine, EngineConfig
+from verifier_worker.kv_cache import KVCache
+from verifier_worker.profile import time_forward
+
+
+def build_model(args) -> torch.nn.Module:
+    cfg = tiny_config(args.vocab, eos_id=0, layers=args.layers, hidden=args.hidden)
+    model = random_model(cfg, seed=0, std=0.05)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: d={args.hidden} layers={args.layers} vocab={args.vocab} params={params / 1e6:.1f}M")
+    return model.to(resolve_dtype(args.dtype))
+
+
+def verify_cost(model, batches, gammas, context, rounds) -> list[dict]:
+    """Median ms of one forward with (1+γ) new tokens per request, interleaved over γ."""
+    rows = []
+    for b in batches:
+        cache = KVCache(model.config, b, context + max(gammas) + 1, model.dtype, model.device)
+        shapes = [1] + [1 + g for g in gammas]
+        times = {q: [] for q in shapes}
+        for q in shapes:  # warm-up
+            time_forward(model, cache, [q] * b, context, 2)
+        for _ in range(rounds):
+            for q in shapes:
+                times[q] += time_forward(model, cache, [q] * b, context, 1)
+        base = statistics.median(times[1])
+        for q in shapes:
+            med = statistics.median(times[q])
+            rows.append({"batch": b, "gamma": q - 1, "ms": round(1000 * med, 3),
+                         "ratio_vs_decode": round(med / base, 3)})
+    return rows
+
+
+def plain_decode(model, batches, prompt_len, new_tokens) -> list[dict]:
+    rows = []
+    for b in batches:
+        engine = Engine(model, EngineConfig(num_slots=b, max_len=prompt_len + new_tokens + 16, max_batch_tokens=4096))
+        router = LocalRouter(engine, policy=Policy.NONE)
+        g = torch.Generator().manual_seed(b)
+        reqs = [
+            GenerationRequest(f"r{i}", torch.randint(3, model.config.vocab_size, (prompt_len,), generator=g).tolist(),
+                              SamplingParams(max_tokens=new_tokens))
+            for i in range(b)
+        ]
+        router.generate(reqs[:1])  # warm-up
+        t0 = time.perf_counter()
+        results = router.generate(reqs)
+        elapsed = time.perf_counter() - t0
+        tokens = sum(len(r.token_ids) for r in results)
+        rows.append({"batch": b, "tokens": tokens, "seconds": round(elapsed, 3),
+                     "tokens_per_s": round(tokens / elapsed, 1),
+                     "per_request_tokens_per_s": round(tokens / elapsed / b, 1)})
+    return rows
+
+
+class _OracleWithErrors:
+    """Proposes the plain-greedy continuation with one wrong token in four: exercises accept and reject."""
+
+    def __init__(self, answers, vocab):
+        self.answers, self.vocab, self.calls = answers, vocab, 0
+
+    def propose(self, contexts, gamma):
+        out = {}
+        for rid, ctx in contexts.items():
+            tokens = list(self.answers[rid][len(ctx) : len(ctx) + gamma])
+            self.calls += 1
+            if tokens and self.calls % 4 == 0:
+                tokens[-1] = (tokens[-1] + 1) % self.vocab
+            out[rid] = DraftBlock(tokens)
+        return out
+
+    def release(self, request_id):
+        pass
+
+
+def greedy_identity(model, prompts, new_tokens, gamma) -> dict:
+    """How often speculative greedy equals plain greedy in the serving dtype (tokens and whole outputs)."""
+    def run(proposer, policy):
+        engine = Engine(model, EngineConfig(num_slots=8, max_len=512, max_batch_tokens=512))
+        reqs = [GenerationRequest(f"p{i}", p, SamplingParams(max_tokens=new_tokens)) for i, p in enumerate(prompts)]
+        return LocalRouter(engine, proposer, policy, gamma).generate(reqs)
+
+    plain = run(None, Policy.NONE)
+    answers = {r.request_id: r.prompt_ids + r.token_ids for r in plain}
+    spec = run(_OracleWithErrors(answers, model.config.vocab_size), Policy.FIXED)
+    same_outputs = sum(p.token_ids == s.token_ids for p, s in zip(plain, spec, strict=True))
+    prefix = sum(_common_prefix(p.token_ids, s.token_ids) for p, s in zip(plain, spec, strict=True))
+    total = sum(len(p.token_ids) for p in plain)
+    return {"outputs": len(plain), "identical_outputs": same_outputs,
+            "tokens_before_first_divergence": prefix, "tokens": total,
+            "tau": round(sum(r.cycle_tokens for r in spec) / max(1, sum(r.cycles for r in spec)), 3)}
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--gammas", default="1,3,7,15")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--decode-tokens", type=int, default=48)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--dtype", default="auto", help="auto (bf16 where native, else fp32), bfloat16 or float32")
+    p.add_argument("--json", help="also write the results to this file")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = [int(x) for x in args.batches.split(",")]
+    gammas = [int(x) for x in args.gammas.split(",")]
+    model = build_model(args)
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
+            **vars(args), "dtype": str(model.dtype).removeprefix("torch.")}
+
+    decode = plain_decode(model, batches, prompt_len=128, new_tokens=args.decode_tokens)
+    print(f"\nplain decoding (engine, {meta['dtype']}, prompt 128):")
+    for r in decode:
+        print(f"  batch {r['batch']:>3}: {r['tokens_per_s']:8.1f} tok/s total, "
+              f"{r['per_request_tokens_per_s']:7.1f} per request")
+
+    verify = verify_cost(model, batches, gammas, args.context, args.rounds)
+    print(f"\nverify cost, forward(1+γ) / forward(1), context {args.context}, "
+          f"median of {args.rounds} interleaved rounds:")
+    for b in batches:
+        cells = [f"γ={r['gamma']}: {r['ms']:.2f} ms ({r['ratio_vs_decode']:.2f}x)" for r in verify if r["batch"] == b]
+        print(f"  batch {b:>3}: " + ", ".join(cells))
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, args.vocab, (16 + 8 * i,), generator=g).tolist() for i in range(8)]
+    identity = greedy_identity(model, prompts, new_tokens=64, gamma=4)
+    print(f"\n{meta['dtype']} speculative greedy vs plain greedy (oracle drafter with errors, τ={identity['tau']}): "
+          f"{identity['identical_outputs']}/{identity['outputs']} outputs identical, "
+          f"{identity['tokens_before_first_divergence']}/{identity['tokens']} tokens before the first divergence")
+    if args.json:
+        with open(args.json, "w") as f:
+            results = {"meta": meta, "plain_decode": decode, "verify_cost": verify, "greedy_identity": identity}
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
