@@ -118,6 +118,15 @@ class Engine:
         self._waiting = deque(r for r in self._waiting if r.request_id != request_id)
         self.cache.free(request_id)
 
+    def is_running(self, request_id: str) -> bool:
+        """Holds a KV slot (prefilling or decoding)."""
+        return request_id in self._running
+
+    def is_ready(self, request_id: str) -> bool:
+        """Prefilled and with no cycle in flight: `submit` will take the next cycle."""
+        req = self._running.get(request_id)
+        return req is not None and not req.in_prefill and req.pending is None
+
     def tokens(self, request_id: str) -> list[int]:
         return list(self._running[request_id].tokens)
 
