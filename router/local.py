@@ -81,7 +81,10 @@ class LocalRouter:
         while queue or sessions:
             self._admit(queue, sessions)
             self._submit_cycles(sessions)
-            for out in self.engine.step():
+            outputs = self.engine.step()
+            if not outputs and sessions:
+                raise RuntimeError("engine made no progress with requests outstanding")
+            for out in outputs:
                 session = sessions[out.request_id]
                 new = self._commit(session, out)
                 if new and on_tokens:

@@ -147,3 +147,14 @@ def test_seeded_sampling_is_reproducible(tiny_model):
     runs = [LocalRouter(make_engine(tiny_model), policy=Policy.NONE).generate(reqs) for _ in range(2)]
     assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
     assert len({tuple(r.token_ids) for r in runs[0]}) == 3
+
+
+def test_prefill_chunks_and_verify_items_share_a_step(tiny_model):
+    engine = make_engine(tiny_model, max_batch_tokens=6)
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8))
+    engine.step()
+    engine.submit("a", DraftBlock([4, 5]))
+    engine.add_request("b", random_prompts(3)[2], SamplingParams(max_tokens=8))  # 21 tokens: 4 chunks
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["a"].num_drafts == 2 and outs["a"].emitted
+    assert outs["b"].emitted == [] and outs["b"].features.shape[0] == 6 - 3  # budget left after the verify item
