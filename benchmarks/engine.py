@@ -127,7 +127,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--batches", default="1,2,4,8,16")
     p.add_argument("--gammas", default="1,3,7,15")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--rounds", type=int, default=15)

@@ -7,6 +7,8 @@ continuation (or the longest continuation when none has γ).
 
 from __future__ import annotations
 
+import numpy as np
+
 from services.types import DraftBlock
 
 
@@ -20,19 +22,23 @@ class NgramProposer:
         return {rid: DraftBlock(tokens=self.lookup(tokens, gamma)) for rid, tokens in contexts.items()}
 
     def lookup(self, tokens: list[int], gamma: int) -> list[int]:
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            suffix = tokens[-n:]
-            best: list[int] = []
-            # Most recent earlier match first: its continuation is the likeliest repeat.
-            for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start : start + n] == suffix:
-                    follow = tokens[start + n : start + n + gamma]
-                    if len(follow) > len(best):
-                        best = follow
-                    if len(best) == gamma:
-                        break
-            if best:
-                return best
+        length = len(tokens)
+        if length < 2:
+            return []
+        arr = np.asarray(tokens, dtype=np.int64)  # [L]
+        ends = np.flatnonzero(arr[:-1] == arr[-1])  # [C] earlier positions holding the last token
+        matched = np.ones(len(ends), dtype=np.int64)  # [C] suffix tokens matched, ending at each
+        for i in range(1, min(self.max_n, length - 1)):
+            extend = (matched == i) & (ends >= i)
+            extend[extend] = arr[ends[extend] - i] == arr[-1 - i]
+            matched += extend
+        for n in range(self.max_n, self.min_n - 1, -1):
+            hits = ends[matched >= n]
+            if hits.size == 0:
+                continue
+            full = hits[hits + gamma < length]  # matches followed by a whole block
+            end = int(full[-1]) if full.size else int(hits[0])
+            return tokens[end + 1 : end + 1 + gamma]
         return []
 
     def release(self, request_id: str) -> None:
