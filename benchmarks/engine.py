@@ -97,22 +97,25 @@ class _OracleWithErrors:
         pass
 
 
-def greedy_identity(model, prompts, new_tokens, gamma) -> dict:
+def greedy_identity(model, prompts, new_tokens, gamma, row_invariant: bool) -> dict:
     """How often speculative greedy equals plain greedy in the serving dtype (tokens and whole outputs)."""
     def run(proposer, policy):
-        engine = Engine(model, EngineConfig(num_slots=8, max_len=512, max_batch_tokens=512))
+        config = EngineConfig(num_slots=8, max_len=512, max_batch_tokens=512, row_invariant=row_invariant)
         reqs = [GenerationRequest(f"p{i}", p, SamplingParams(max_tokens=new_tokens)) for i, p in enumerate(prompts)]
-        return LocalRouter(engine, proposer, policy, gamma).generate(reqs)
+        t0 = time.perf_counter()
+        results = LocalRouter(Engine(model, config), proposer, policy, gamma).generate(reqs)
+        return results, time.perf_counter() - t0
 
-    plain = run(None, Policy.NONE)
+    plain, plain_s = run(None, Policy.NONE)
     answers = {r.request_id: r.prompt_ids + r.token_ids for r in plain}
-    spec = run(_OracleWithErrors(answers, model.config.vocab_size), Policy.FIXED)
-    same_outputs = sum(p.token_ids == s.token_ids for p, s in zip(plain, spec, strict=True))
-    prefix = sum(_common_prefix(p.token_ids, s.token_ids) for p, s in zip(plain, spec, strict=True))
+    spec, spec_s = run(_OracleWithErrors(answers, model.config.vocab_size), Policy.FIXED)
+    pairs = list(zip(plain, spec, strict=True))
     total = sum(len(p.token_ids) for p in plain)
-    return {"outputs": len(plain), "identical_outputs": same_outputs,
-            "tokens_before_first_divergence": prefix, "tokens": total,
-            "tau": round(sum(r.cycle_tokens for r in spec) / max(1, sum(r.cycles for r in spec)), 3)}
+    return {"row_invariant": row_invariant, "outputs": len(plain),
+            "identical_outputs": sum(p.token_ids == s.token_ids for p, s in pairs),
+            "tokens_before_first_divergence": sum(_common_prefix(p.token_ids, s.token_ids) for p, s in pairs),
+            "tokens": total, "tau": round(sum(r.cycle_tokens for r in spec) / max(1, sum(r.cycles for r in spec)), 3),
+            "plain_tokens_per_s": round(total / plain_s, 1), "spec_tokens_per_s": round(total / spec_s, 1)}
 
 
 def _common_prefix(a, b) -> int:
@@ -159,10 +162,12 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, args.vocab, (16 + 8 * i,), generator=g).tolist() for i in range(8)]
-    identity = greedy_identity(model, prompts, new_tokens=64, gamma=4)
-    print(f"\n{meta['dtype']} speculative greedy vs plain greedy (oracle drafter with errors, τ={identity['tau']}): "
-          f"{identity['identical_outputs']}/{identity['outputs']} outputs identical, "
-          f"{identity['tokens_before_first_divergence']}/{identity['tokens']} tokens before the first divergence")
+    identity = [greedy_identity(model, prompts, 64, 4, row_invariant=flag) for flag in (False, True)]
+    print(f"\n{meta['dtype']} speculative greedy vs plain greedy, 8 prompts x 64 tokens, oracle drafter with errors:")
+    for r in identity:
+        print(f"  row_invariant={r['row_invariant']!s:5}: {r['identical_outputs']}/{r['outputs']} outputs identical, "
+              f"{r['tokens_before_first_divergence']}/{r['tokens']} tokens before the first divergence, "
+              f"τ={r['tau']}, plain {r['plain_tokens_per_s']} tok/s, speculative {r['spec_tokens_per_s']} tok/s")
     if args.json:
         with open(args.json, "w") as f:
             results = {"meta": meta, "plain_decode": decode, "verify_cost": verify, "greedy_identity": identity}

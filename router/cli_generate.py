@@ -53,7 +53,8 @@ def run_generate(args: argparse.Namespace) -> int:
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
     tokenizer = TextTokenizer.from_dir(args.model)
     model = load_model(args.model, args.dtype, args.device)
-    engine = Engine(model, EngineConfig(num_slots=args.max_batch, max_len=args.max_len))
+    row_invariant = {"auto": None, "on": True, "off": False}[args.row_invariant]
+    engine = Engine(model, EngineConfig(num_slots=args.max_batch, max_len=args.max_len, row_invariant=row_invariant))
     proposer = NgramProposer() if args.method == "ngram" else None
     router = LocalRouter(engine, proposer, policy, args.gamma)
     requests = [

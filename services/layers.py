@@ -25,6 +25,9 @@ class RaggedLayout:
     slots: list[int]  # [R] cache slot of each request
     starts: list[int]  # [R] tokens already cached = position of the request's first new token
     lens: list[int]  # [R] new tokens of each request; N = sum(lens)
+    # Attend one query row at a time over exactly its own prefix, the call plain decoding makes, so a
+    # position's output does not depend on how many rows its request verifies (costs a call per row).
+    row_invariant: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -76,7 +79,12 @@ class Attention(nn.Module):
             end = start + length
             k_cache[slot, :, start:end] = k[rows].transpose(0, 1)
             v_cache[slot, :, start:end] = v[rows].transpose(0, 1)
-            out[rows] = _attend(q[rows].transpose(0, 1), k_cache[slot, :, :end], v_cache[slot, :, :end])
+            if layout.row_invariant:
+                for i in range(offset, offset + length):
+                    pos = start + i - offset + 1
+                    out[i] = _attend(q[i, :, None], k_cache[slot, :, :pos], v_cache[slot, :, :pos])[0]
+            else:
+                out[rows] = _attend(q[rows].transpose(0, 1), k_cache[slot, :, :end], v_cache[slot, :, :end])
             offset += length
         return self.o_proj(out.reshape(n, self.n_heads * self.head_dim))
 

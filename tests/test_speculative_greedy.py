@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 
 from drafter_worker.ngram import NgramProposer
 from router.local import GenerationRequest, LocalRouter
@@ -77,3 +80,23 @@ def test_max_tokens_is_exact(tiny_model):
     result = LocalRouter(make_engine(tiny_model), NgramProposer(), Policy.FIXED, 8).generate(reqs)[0]
     assert len(result.token_ids) == 9
     assert result.finish_reason == FinishReason.LENGTH
+
+
+def _bf16_linears_row_invariant() -> bool:
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(9, 64, dtype=torch.bfloat16)
+    one = torch.nn.functional.linear(x[:1], w)[0]
+    return all(torch.equal(one, torch.nn.functional.linear(x[:m], w)[0]) for m in (2, 5, 9))
+
+
+def test_row_invariant_mode_makes_bf16_speculation_bit_exact(tiny_model, plain):
+    if not _bf16_linears_row_invariant():
+        pytest.skip("this CPU's bf16 GEMM gives a row different bits at different row counts")
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    reqs = _requests()
+    base = LocalRouter(make_engine(model, row_invariant=True), policy=Policy.NONE).generate(reqs)
+    answers = {r.request_id: r.prompt_ids + r.token_ids for r in base}
+    spec = LocalRouter(make_engine(model, row_invariant=True, num_slots=3, max_batch_tokens=10),
+                       OracleProposer(answers, VOCAB), Policy.FIXED, 5).generate(reqs)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in base]
+    assert sum(r.accepted_tokens for r in spec) > 0
