@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TINY := build/tiny-model
 PROMPT ?= def fibonacci(n):
 
-.PHONY: install serve test lint bench profile clean
+.PHONY: install serve test lint bench data data-deps clean
 
 $(BIN)/dspark: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,7 @@ serve: $(TINY)/config.json
 	$(BIN)/dspark generate --model $(TINY) --method ngram --gamma 4 --max-tokens 96 --prompt '$(PROMPT)'
 	$(BIN)/dspark generate --model $(TINY) --method none --max-tokens 96 --prompt '$(PROMPT)'
 
-test: $(BIN)/dspark
+test: data-deps $(BIN)/dspark
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
@@ -34,6 +34,13 @@ lint: $(BIN)/dspark
 
 bench: $(BIN)/dspark
 	$(BIN)/python benchmarks/engine.py
+
+# Debian's python3.11-doc holds the reST sources of the chat corpus.
+data-deps:
+	@test -d /usr/share/doc/python3.11/html/_sources || (apt-get update && apt-get install -y --no-install-recommends python3.11-doc)
+
+data: data-deps $(BIN)/dspark
+	$(BIN)/dspark data build
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache

@@ -58,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--repeats", type=int, default=10)
     prof.add_argument("--json", action="store_true")
 
+    data = sub.add_parser("data", help="corpora, splits and evaluation prompts")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    dbuild = data_sub.add_parser("build", help="build the code / chat / math corpora and the eval prompt sets")
+    dbuild.add_argument("--out", type=Path, default=Path("build/data"), help="corpus JSONL + manifest")
+    dbuild.add_argument("--eval-dir", type=Path, default=Path("benchmarks/datasets"), help="eval prompt JSONL")
+    dbuild.add_argument("--seed", type=int, default=0)
+    dbuild.add_argument("--math-problems", type=int, default=20_000)
+    dbuild.add_argument("--eval-prompts", type=int, default=300, help="prompts per domain")
+
     tiny = sub.add_parser("make-tiny-model", help="write a small random-weight Llama + BPE tokenizer (demo)")
     tiny.add_argument("out", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
@@ -113,7 +122,23 @@ def _make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"generate": _generate, "profile": _profile, "make-tiny-model": _make_tiny}
+def _data(args: argparse.Namespace) -> int:
+    from services.data.build import DataConfig, build
+
+    cfg = DataConfig(out_dir=args.out, eval_dir=args.eval_dir, seed=args.seed, math_problems=args.math_problems,
+                     eval_prompts=args.eval_prompts)
+    manifest = build(cfg)
+    table = Table(title=f"corpora in {args.out}")
+    for col in ("split", "documents", "characters"):
+        table.add_column(col, justify="right")
+    for name, stats in manifest["splits"].items():
+        table.add_row(name, str(stats["documents"]), str(stats["chars"]))
+    Console().print(table)
+    Console().print(f"eval prompts in {args.eval_dir}: {manifest['eval_prompts']}")
+    return 0
+
+
+_COMMANDS = {"generate": _generate, "profile": _profile, "make-tiny-model": _make_tiny, "data": _data}
 
 
 if __name__ == "__main__":
