@@ -18,7 +18,8 @@ POLICIES = ("none", "fixed")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("--model", required=True,
+                   help="a shipped model's name (dspark models) or a Hugging Face model directory")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32", "float16"),
                    help="auto: bfloat16 where the device runs it natively, else float32")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
@@ -67,6 +68,27 @@ def build_parser() -> argparse.ArgumentParser:
     dbuild.add_argument("--math-problems", type=int, default=20_000)
     dbuild.add_argument("--eval-prompts", type=int, default=300, help="prompts per domain")
 
+    train = sub.add_parser("train", help="train the project's own models")
+    train_sub = train.add_subparsers(dest="train_command", required=True)
+    ttarget = train_sub.add_parser("target", help="train the target on the built corpora (resumable)")
+    ttarget.add_argument("--data-dir", type=Path, default=Path("build/data"))
+    ttarget.add_argument("--run-dir", type=Path, default=Path("build/train/target"), help="resumable state")
+    ttarget.add_argument("--out", type=Path, default=Path("models/dspark-target"), help="exported model")
+    ttarget.add_argument("--total-tokens", type=int, default=6_000_000)
+    ttarget.add_argument("--hidden", type=int, default=384)
+    ttarget.add_argument("--layers", type=int, default=8)
+    ttarget.add_argument("--heads", type=int, default=6)
+    ttarget.add_argument("--kv-heads", type=int, default=2)
+    ttarget.add_argument("--ffn", type=int, default=1024)
+    ttarget.add_argument("--batch-size", type=int, default=16)
+    ttarget.add_argument("--seq-len", type=int, default=256)
+    ttarget.add_argument("--lr", type=float, default=1e-3)
+    ttarget.add_argument("--eval-every", type=int, default=100, help="steps between validation passes")
+    ttarget.add_argument("--seed", type=int, default=0)
+
+    models = sub.add_parser("models", help="list the shipped models")
+    models.add_argument("--json", action="store_true")
+
     tiny = sub.add_parser("make-tiny-model", help="write a small random-weight Llama + BPE tokenizer (demo)")
     tiny.add_argument("out", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
@@ -94,10 +116,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _profile(args: argparse.Namespace) -> int:
     from services.loader import load_model
+    from services.registry import resolve_model
     from verifier_worker.profile import profile_sps
 
     batch_tokens = tuple(int(b) for b in args.batch_tokens.split(","))
-    model = load_model(args.model, args.dtype, args.device)
+    model = load_model(resolve_model(args.model), args.dtype, args.device)
     points = profile_sps(model, batch_tokens, args.context, args.tokens_per_request, args.repeats)
     if args.json:
         meta = {"model": str(args.model), "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),
@@ -138,7 +161,40 @@ def _data(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"generate": _generate, "profile": _profile, "make-tiny-model": _make_tiny, "data": _data}
+def _train(args: argparse.Namespace) -> int:
+    from services.training.target import TargetTrainConfig, train
+
+    cfg = TargetTrainConfig(
+        data_dir=args.data_dir, run_dir=args.run_dir, out_dir=args.out, total_tokens=args.total_tokens,
+        hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn,
+        batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, eval_every=args.eval_every, seed=args.seed,
+    )
+    console = Console(stderr=True)
+    out = train(cfg, log=lambda msg: console.print(msg, markup=False, highlight=False))
+    console.print(f"exported the target to {out}", markup=False)
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from services.registry import list_models
+
+    entries = list_models()
+    if args.json:
+        sys.stdout.write(json.dumps([e.as_dict() for e in entries]) + "\n")
+        return 0
+    table = Table(title="shipped models")
+    for col in ("name", "kind", "parameters", "target", "path"):
+        table.add_column(col)
+    for e in entries:
+        table.add_row(e.name, e.kind, f"{e.parameters / 1e6:.1f}M", e.target or "", e.path)
+    Console().print(table)
+    return 0
+
+
+_COMMANDS = {
+    "generate": _generate, "profile": _profile, "data": _data, "train": _train, "models": _models,
+    "make-tiny-model": _make_tiny,
+}
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from router.local import GenerationRequest, GenerationResult, LocalRouter
 from router.policy import Policy
 from services.errors import InvalidRequestError
 from services.loader import load_model
+from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
 from services.types import SamplingParams
 from verifier_worker.engine import Engine, EngineConfig
@@ -51,8 +52,9 @@ def resolve_policy(args: argparse.Namespace) -> Policy:
 def run_generate(args: argparse.Namespace) -> int:
     policy = resolve_policy(args)
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
-    tokenizer = TextTokenizer.from_dir(args.model)
-    model = load_model(args.model, args.dtype, args.device)
+    model_dir = resolve_model(args.model)
+    tokenizer = TextTokenizer.from_dir(model_dir)
+    model = load_model(model_dir, args.dtype, args.device)
     row_invariant = {"auto": None, "on": True, "off": False}[args.row_invariant]
     engine = Engine(model, EngineConfig(num_slots=args.max_batch, max_len=args.max_len, row_invariant=row_invariant))
     proposer = NgramProposer() if args.method == "ngram" else None

@@ -89,6 +89,20 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(n, self.n_heads * self.head_dim))
 
 
+    def forward_dense(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Cache-free causal attention over whole sequences, x [B, T, d] (training and feature extraction)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)  # [B, T, H, Dh]
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)  # [B, T, Hkv, Dh]
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim)  # [B, T, Hkv, Dh]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True, enable_gqa=True)  # [B, H, T, Dh]
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of q [H, n, Dh] (the last n positions) over k, v [Hkv, T, Dh] → [n, H, Dh]."""
     n, total = q.shape[1], k.shape[1]
@@ -124,4 +138,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, rope, layout, k_cache, v_cache) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, layout, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_dense(self, x: torch.Tensor, rope) -> torch.Tensor:
+        x = x + self.self_attn.forward_dense(self.input_layernorm(x), rope)
         return x + self.mlp(self.post_attention_layernorm(x))

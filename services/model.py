@@ -76,3 +76,17 @@ class CausalLM(nn.Module):
         logits = self.lm_head(h).float()  # [M, V]
         features = torch.cat(taps, dim=-1) if taps else None  # [N, T*d]
         return ForwardOutput(logits=logits, features=features)
+
+    def forward_dense(self, input_ids: torch.Tensor) -> ForwardOutput:
+        """Whole sequences without a cache, input_ids [B, T] → logits [B, T, V] (model dtype, or the autocast
+        dtype) and features [B, T, num_taps * d]: for training and for extracting target features."""
+        x = self.model.embed_tokens(input_ids)  # [B, T, d]
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        rope = self.rotary().gather(positions, x.dtype)  # cos, sin [T, 1, Dh]
+        taps = []
+        for i, layer in enumerate(self.model.layers):
+            x = layer.forward_dense(x, rope)
+            if i in self.tap_layers:
+                taps.append(x)
+        logits = self.lm_head(self.model.norm(x))  # [B, T, V]
+        return ForwardOutput(logits=logits, features=torch.cat(taps, dim=-1) if taps else None)

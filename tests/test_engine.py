@@ -158,3 +158,12 @@ def test_prefill_chunks_and_verify_items_share_a_step(tiny_model):
     outs = {o.request_id: o for o in engine.step()}
     assert outs["a"].num_drafts == 2 and outs["a"].emitted
     assert outs["b"].emitted == [] and outs["b"].features.shape[0] == 6 - 3  # budget left after the verify item
+
+
+def test_dense_forward_equals_cached_forward(tiny_model):
+    prompts = [random_prompts(3)[2][:12], random_prompts(3)[1][:12]]
+    dense = tiny_model.forward_dense(torch.tensor(prompts))
+    for b, prompt in enumerate(prompts):
+        ragged = full_forward(tiny_model, prompt)
+        torch.testing.assert_close(dense.logits[b], ragged.logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(dense.features[b], ragged.features, atol=1e-5, rtol=1e-5)

@@ -8,11 +8,10 @@ import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from services.data import chat, code, math_problems
+from services.data import DOMAINS, SPLITS, chat, code, math_problems
 from services.data.chat_format import qa, render
+from services.data.tokenizer_build import encode_split, save_tokenizer, train_tokenizer
 
-SPLITS = ("train", "val", "test")
-DOMAINS = ("code", "chat", "math")
 SOURCES = {
     "code": {"what": "Python standard library sources (test suites excluded)", "licence": "PSF License 2.0"},
     "chat/python-docs": {"what": "python3.11-doc reST sources: FAQ, tutorial, HOWTOs, library and language "
@@ -32,6 +31,8 @@ class DataConfig:
     math_problems: int = 20_000
     eval_prompts: int = 300  # per domain, from the test split
     limit: int | None = None  # documents per file-backed source, for quick builds in tests
+    vocab_size: int = 8192
+    max_length: int = 1024  # the tokenizer's model_max_length
 
 
 def split_of(key: str, seed: int) -> str:
@@ -65,6 +66,19 @@ def _eval_prompts(domain: str, record: dict) -> list[str]:
     return [render(record["messages"][:-1], add_generation_prompt=True)]
 
 
+def _tokenize(cfg: DataConfig) -> dict[str, int]:
+    """Train the tokenizer on the train splits; write every split as uint16 token ids (`<name>.bin`)."""
+    tok = train_tokenizer(cfg.out_dir, cfg.vocab_size)
+    save_tokenizer(tok, cfg.out_dir / "tokenizer", cfg.max_length)
+    counts = {}
+    for domain in DOMAINS:
+        for split in SPLITS:
+            ids = encode_split(tok, cfg.out_dir, domain, split)
+            ids.tofile(cfg.out_dir / f"{domain}.{split}.bin")
+            counts[f"{domain}.{split}"] = int(ids.size)
+    return counts
+
+
 def build(cfg: DataConfig) -> dict:
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     files = {(d, s): (cfg.out_dir / f"{d}.{s}.jsonl").open("w") for d in DOMAINS for s in SPLITS}
@@ -90,8 +104,9 @@ def build(cfg: DataConfig) -> dict:
         rows = sorted(rows, key=lambda r: hashlib.sha256(f"{cfg.seed}:{r['id']}".encode()).hexdigest())
         prompts[domain] = rows = sorted(rows[: cfg.eval_prompts], key=lambda r: r["id"])
         (cfg.eval_dir / f"{domain}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    tokens = _tokenize(cfg)
     manifest = {"config": {k: str(v) for k, v in asdict(cfg).items()}, "python": platform.python_version(),
-                "sources": SOURCES, "splits": stats,
+                "sources": SOURCES, "splits": stats, "tokens": tokens,
                 "eval_prompts": {d: len(rows) for d, rows in prompts.items()}}
     (cfg.out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest

@@ -1,0 +1,59 @@
+"""The models shipped under `models/`: names, kinds, sizes; `--model NAME` resolution."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+
+from services.errors import ModelLoadError
+
+MODELS_DIR = Path(os.environ.get("DSPARK_MODELS_DIR", Path(__file__).resolve().parents[1] / "models"))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    name: str
+    kind: str  # "target" or "drafter"
+    path: str
+    parameters: int
+    target: str | None  # the target a drafter belongs to
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _parameters(model_dir: Path) -> int:
+    total = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
+    return total
+
+
+def list_models(root: Path = MODELS_DIR) -> list[ModelEntry]:
+    entries = []
+    for config in sorted(root.glob("*/config.json")):
+        raw = json.loads(config.read_text())
+        drafter = raw.get("dspark_drafter") or {}
+        entries.append(ModelEntry(
+            name=config.parent.name, kind="drafter" if drafter else "target", path=str(config.parent),
+            parameters=_parameters(config.parent), target=drafter.get("target"),
+        ))
+    return entries
+
+
+def resolve_model(name_or_path: str | Path, root: Path = MODELS_DIR) -> Path:
+    """A directory path as given, else the shipped model of that name."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    shipped = root / str(name_or_path)
+    if shipped.is_dir():
+        return shipped
+    names = ", ".join(e.name for e in list_models(root)) or "none"
+    raise ModelLoadError(f"{name_or_path}: neither a model directory nor a shipped model (shipped: {names})")

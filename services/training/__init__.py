@@ -1,0 +1,1 @@
+"""Training loops of the project's own models (target now, drafters later)."""

@@ -1,0 +1,173 @@
+"""`dspark train target`: train the project's own Llama target on the built corpora; resumable, seeded.
+
+State (model, optimizer, step, RNG) goes to `run_dir/state.pt` every `checkpoint_every` steps and at
+the end; a rerun with the same run_dir resumes. The result is exported in Hugging Face layout (bf16).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from services.checkpoint import save_model
+from services.data import DOMAINS
+from services.data.chat_format import BOS, END, EOS
+from services.loader import native_bf16
+from services.model import CausalLM
+from services.model_config import ModelConfig, RopeConfig
+from services.training.batches import WindowSampler, eval_windows, load_tokens
+from services.training.schedule import warmup_cosine
+
+
+@dataclass(frozen=True, slots=True)
+class TargetTrainConfig:
+    data_dir: Path = Path("build/data")
+    run_dir: Path = Path("build/train/target")
+    out_dir: Path = Path("models/dspark-target")
+    hidden: int = 384
+    layers: int = 8
+    heads: int = 6
+    kv_heads: int = 2
+    ffn: int = 1024
+    max_positions: int = 1024
+    seq_len: int = 256
+    batch_size: int = 16
+    total_tokens: int = 6_000_000
+    lr: float = 1e-3
+    warmup_steps: int = 60
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 100  # steps
+    eval_tokens: int = 16_384  # per domain
+    checkpoint_every: int = 50  # steps
+    seed: int = 0
+
+    @property
+    def total_steps(self) -> int:
+        return math.ceil(self.total_tokens / (self.seq_len * self.batch_size))
+
+
+def model_config(cfg: TargetTrainConfig, vocab_size: int, bos: int, eos: tuple[int, ...]) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=vocab_size, hidden_size=cfg.hidden,
+        intermediate_size=cfg.ffn, num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads, head_dim=cfg.hidden // cfg.heads, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=10000.0), max_position_embeddings=cfg.max_positions, bos_token_id=bos,
+        eos_token_ids=eos,
+    )
+
+
+def _init(model: CausalLM, layers: int) -> None:
+    """GPT-2 style: N(0, 0.02), residual output projections scaled by 1/sqrt(2·layers)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                continue
+            std = 0.02 / math.sqrt(2 * layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            p.normal_(0.0, std)
+
+
+def _loss(model: CausalLM, windows: torch.Tensor, autocast: bool) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model.forward_dense(windows[:, :-1]).logits  # [B, T, V]
+    return F.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten())
+
+
+@torch.no_grad()
+def evaluate(model: CausalLM, evals: dict[str, torch.Tensor], autocast: bool, batch: int = 16) -> dict[str, float]:
+    model.eval()
+    out = {}
+    for domain, windows in evals.items():
+        losses = [_loss(model, windows[i : i + batch], autocast).item() * len(windows[i : i + batch])
+                  for i in range(0, len(windows), batch)]
+        out[domain] = sum(losses) / len(windows)
+    model.train()
+    return out
+
+
+def train(cfg: TargetTrainConfig, log=print) -> Path:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(cfg.data_dir / "tokenizer" / "tokenizer.json"))
+    torch.manual_seed(cfg.seed)
+    # A reply ends at <|end|> as much as a document at <|endoftext|>: both stop generation.
+    eos = (tok.token_to_id(EOS), tok.token_to_id(END))
+    mcfg = model_config(cfg, tok.get_vocab_size(), tok.token_to_id(BOS), eos)
+    model = CausalLM(mcfg)
+    _init(model, cfg.layers)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    sampler = WindowSampler(load_tokens(cfg.data_dir, "train"), cfg.seq_len, cfg.seed)
+    val = load_tokens(cfg.data_dir, "val")
+    evals = {d: eval_windows(val[d], cfg.seq_len, cfg.eval_tokens) for d in DOMAINS}
+    autocast = native_bf16(torch.device("cpu"))
+    step, elapsed = _resume(cfg, model, opt)
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = cfg.run_dir / "log.jsonl"
+    params = sum(p.numel() for p in model.parameters())
+    log(f"target: {params / 1e6:.1f}M parameters, {cfg.total_steps} steps of {cfg.batch_size}x{cfg.seq_len} "
+        f"tokens, autocast bf16={autocast}, starting at step {step}")
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TextColumn("{task.fields[info]}"), TimeRemainingColumn()) as bar:
+        task = bar.add_task("train target", total=cfg.total_steps, completed=step, info="")
+        while step < cfg.total_steps:
+            t0 = time.perf_counter()
+            for group in opt.param_groups:
+                group["lr"] = warmup_cosine(step, cfg.total_steps, cfg.warmup_steps, cfg.lr)
+            loss = _loss(model, sampler.batch(step, cfg.batch_size), autocast)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            step += 1
+            elapsed += time.perf_counter() - t0
+            record = {"step": step, "tokens": step * cfg.batch_size * cfg.seq_len, "loss": round(loss.item(), 4),
+                      "elapsed_s": round(elapsed, 1)}
+            if step % cfg.eval_every == 0 or step == cfg.total_steps:
+                record["val"] = {d: round(v, 4) for d, v in evaluate(model, evals, autocast).items()}
+            with log_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            tok_s = record["tokens"] / max(elapsed, 1e-9)
+            bar.update(task, completed=step, info=f"loss {record['loss']:.3f} {tok_s:.0f} tok/s")
+            if step % cfg.checkpoint_every == 0 or step == cfg.total_steps:
+                _save_state(cfg, model, opt, step, elapsed)
+    return export(cfg, model)
+
+
+def _save_state(cfg, model, opt, step: int, elapsed: float) -> None:
+    tmp = cfg.run_dir / "state.pt.tmp"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "elapsed_s": elapsed,
+                "config": {k: str(v) for k, v in asdict(cfg).items()}}, tmp)
+    tmp.replace(cfg.run_dir / "state.pt")  # atomic: a kill mid-save leaves the previous state
+
+
+def _resume(cfg, model, opt) -> tuple[int, float]:
+    path = cfg.run_dir / "state.pt"
+    if not path.is_file():
+        return 0, 0.0
+    state = torch.load(path, weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    return int(state["step"]), float(state["elapsed_s"])
+
+
+def export(cfg: TargetTrainConfig, model: CausalLM) -> Path:
+    """bf16 weights in Hugging Face layout with the tokenizer and generation config."""
+    out = save_model(model, cfg.out_dir, torch.bfloat16)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(cfg.data_dir / "tokenizer" / name, out / name)
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": model.config.bos_token_id, "eos_token_id": list(model.config.eos_token_ids)}, indent=2)
+        + "\n")
+    return out
