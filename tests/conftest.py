@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.data.build import DataConfig, build
 from services.model import CausalLM
 from services.tiny_model import random_model, tiny_config
 from verifier_worker.engine import Engine, EngineConfig
@@ -40,3 +41,15 @@ def make_engine(model: CausalLM, **kw) -> Engine:
 def random_prompts(n: int, vocab: int = VOCAB, seed: int = 7) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (3 + 9 * i,), generator=g).tolist() for i in range(n)]
+
+
+def build_small_corpus(root) -> dict:
+    """A quick corpus build: 60 documents per file-backed source, 200 math problems, small vocabulary."""
+    cfg = DataConfig(out_dir=root / "data", eval_dir=root / "eval", limit=60, math_problems=200, eval_prompts=20,
+                     vocab_size=1024)
+    return build(cfg) | {"root": root}
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory) -> dict:
+    return build_small_corpus(tmp_path_factory.mktemp("corpus"))

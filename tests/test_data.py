@@ -8,24 +8,23 @@ import re
 import pytest
 
 from services.data import math_problems
-from services.data.build import DataConfig, build, split_of
+from services.data.build import split_of
 from services.data.chat_format import render
 from services.data.rst import api_entries, clean_inline, sections
+from tests.conftest import build_small_corpus
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    def run(name: str) -> dict:
-        root = tmp_path_factory.mktemp(name)
-        return build(DataConfig(out_dir=root / "data", eval_dir=root / "eval", limit=60, math_problems=200,
-                                eval_prompts=20)) | {"root": root}
-
-    return run("a"), run("b")
+def built(small_corpus, tmp_path_factory):
+    return small_corpus, build_small_corpus(tmp_path_factory.mktemp("again"))
 
 
 def test_build_is_deterministic(built):
     a, b = built
     assert {k: v["sha256"] for k, v in a["splits"].items()} == {k: v["sha256"] for k, v in b["splits"].items()}
+    assert a["tokens"] == b["tokens"]
+    assert (a["root"] / "data" / "tokenizer" / "tokenizer.json").read_text() == \
+        (b["root"] / "data" / "tokenizer" / "tokenizer.json").read_text()
     assert (a["root"] / "eval" / "math.jsonl").read_text() == (b["root"] / "eval" / "math.jsonl").read_text()
 
 
@@ -78,3 +77,17 @@ def test_chat_render():
     assert render(msgs[:1], add_generation_prompt=True) == "<|user|>\nQ?<|end|>\n<|assistant|>\n"
     with pytest.raises(ValueError):
         render([{"role": "robot", "content": "x"}])
+
+
+def test_tokenizer_round_trips_every_domain(small_corpus):
+    from services.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.from_dir(small_corpus["root"] / "data" / "tokenizer")
+    assert tok.bos_token_id is not None
+    for domain in ("code", "chat", "math"):
+        lines = (small_corpus["root"] / "data" / f"{domain}.val.jsonl").read_text().splitlines()[:20]
+        for line in lines:
+            text = json.loads(line)["text"].replace("<|end|>", "")  # specials are dropped on decode
+            for special in ("<|user|>", "<|assistant|>"):
+                text = text.replace(special, "")
+            assert tok.decode(tok.encode(text)) == text
