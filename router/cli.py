@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     ttarget.add_argument("--data-dir", type=Path, default=Path("build/data"))
     ttarget.add_argument("--run-dir", type=Path, default=Path("build/train/target"), help="resumable state")
     ttarget.add_argument("--out", type=Path, default=Path("models/dspark-target"), help="exported model")
-    ttarget.add_argument("--total-tokens", type=int, default=6_000_000)
+    ttarget.add_argument("--total-tokens", type=int, default=3_400_000)
     ttarget.add_argument("--hidden", type=int, default=384)
     ttarget.add_argument("--layers", type=int, default=8)
     ttarget.add_argument("--heads", type=int, default=6)
