@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from services.data.build import DataConfig, build
-from services.model import CausalLM
+from services.layers import RaggedLayout
+from services.model import CausalLM, ForwardOutput
 from services.tiny_model import random_model, tiny_config
 from verifier_worker.engine import Engine, EngineConfig
+from verifier_worker.kv_cache import KVCache
 
 VOCAB = 96
 
@@ -53,3 +55,14 @@ def build_small_corpus(root) -> dict:
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory) -> dict:
     return build_small_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@torch.no_grad()
+def full_forward(model: CausalLM, tokens: list[int] | torch.Tensor) -> ForwardOutput:
+    """One cached forward over a whole sequence from position 0, logits and features at every row."""
+    ids = torch.as_tensor(tokens)
+    n = ids.numel()
+    cache = KVCache(model.config, 1, n, model.dtype, model.device)
+    cache.allocate("x")
+    cache.append("x", n)
+    return model(ids, torch.arange(n), RaggedLayout([0], [0], [n]), cache.k, cache.v, torch.arange(n))

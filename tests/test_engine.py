@@ -10,17 +10,8 @@ from router.policy import Policy
 from services.errors import CapacityError, InvalidRequestError
 from services.layers import RaggedLayout
 from services.types import DraftBlock, SamplingParams
-from tests.conftest import make_engine, random_prompts
+from tests.conftest import full_forward, make_engine, random_prompts
 from verifier_worker.kv_cache import KVCache
-
-
-def full_forward(model, tokens: list[int]):
-    n = len(tokens)
-    cache = KVCache(model.config, 1, n, torch.float32, torch.device("cpu"))
-    cache.allocate("x")
-    cache.append("x", n)
-    return model(torch.tensor(tokens), torch.arange(n), RaggedLayout([0], [0], [n]), cache.k, cache.v,
-                 torch.arange(n))
 
 
 def test_incremental_decoding_equals_full_recompute(tiny_model):

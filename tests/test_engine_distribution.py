@@ -10,9 +10,8 @@ from router.local import GenerationRequest, LocalRouter
 from router.policy import Policy
 from services.sampling import logits_to_probs
 from services.types import SamplingParams
-from tests.conftest import make_engine, make_model
+from tests.conftest import full_forward, make_engine, make_model
 from tests.drafters import FixedDistributionProposer
-from tests.test_engine import full_forward
 
 VOCAB, PROMPT = 12, [1, 2, 3]
 PARAMS = {"temperature": 0.9, "top_k": 8}

@@ -6,9 +6,8 @@ import pytest
 import torch
 import transformers
 
-from services.layers import RaggedLayout
 from services.loader import load_model
-from verifier_worker.kv_cache import KVCache
+from tests.conftest import full_forward
 
 COMMON = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -37,15 +36,6 @@ def save_reference(tmp_path, case: str, shard: bool = False) -> torch.nn.Module:
     return ref
 
 
-def our_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    n = ids.numel()
-    cache = KVCache(model.config, 1, n, torch.float32, torch.device("cpu"))
-    cache.allocate("r")
-    cache.append("r", n)
-    out = model(ids, torch.arange(n), RaggedLayout([0], [0], [n]), cache.k, cache.v, torch.arange(n))
-    return out.logits
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_match_transformers(tmp_path, case):
     ref = save_reference(tmp_path, case)
@@ -54,7 +44,7 @@ def test_logits_match_transformers(tmp_path, case):
     with torch.no_grad():
         expected = ref(ids[None]).logits[0]
     assert expected.abs().max() > 1.0  # the comparison is not between two near-zero tensors
-    torch.testing.assert_close(our_logits(ours, ids), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(full_forward(ours, ids).logits, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_sharded_checkpoint_loads(tmp_path):
@@ -65,7 +55,7 @@ def test_sharded_checkpoint_loads(tmp_path):
     ids = torch.randint(0, COMMON["vocab_size"], (20,))
     with torch.no_grad():
         expected = ref(ids[None]).logits[0]
-    torch.testing.assert_close(our_logits(ours, ids), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(full_forward(ours, ids).logits, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_our_checkpoint_loads_in_transformers(tmp_path, tiny_model):
@@ -76,7 +66,7 @@ def test_our_checkpoint_loads_in_transformers(tmp_path, tiny_model):
     ids = torch.randint(0, tiny_model.config.vocab_size, (30,))
     with torch.no_grad():
         expected = ref(ids[None]).logits[0]
-    torch.testing.assert_close(our_logits(tiny_model, ids), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(full_forward(tiny_model, ids).logits, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_bf16_load_is_close(tmp_path):
@@ -86,5 +76,5 @@ def test_bf16_load_is_close(tmp_path):
     ids = torch.randint(0, COMMON["vocab_size"], (16,))
     with torch.no_grad():
         expected = ref(ids[None]).logits[0]
-    got = our_logits(ours.float(), ids)  # bf16 weights, fp32 math: rounding of weights only
+    got = full_forward(ours.float(), ids).logits  # bf16 weights, fp32 math: rounding of weights only
     assert (got - expected).abs().max() < 0.1 * expected.abs().max()

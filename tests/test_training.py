@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import torch
 import transformers
 
 from router.cli import main
-from services.layers import RaggedLayout
 from services.loader import load_model
 from services.registry import list_models, resolve_model
 from services.training.schedule import warmup_cosine
 from services.training.target import TargetTrainConfig, train
-from verifier_worker.kv_cache import KVCache
+from tests.conftest import full_forward
 
 
 def _config(corpus, tmp_path, tokens: int) -> TargetTrainConfig:
@@ -38,10 +38,7 @@ def test_train_resume_export(small_corpus, tmp_path):
     ours = load_model(out, dtype="float32")
     ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = torch.randint(0, ours.config.vocab_size, (24,))
-    cache = KVCache(ours.config, 1, 24, torch.float32, torch.device("cpu"))
-    cache.allocate("r")
-    cache.append("r", 24)
-    logits = ours(ids, torch.arange(24), RaggedLayout([0], [0], [24]), cache.k, cache.v, torch.arange(24)).logits
+    logits = full_forward(ours, ids).logits
     with torch.no_grad():
         torch.testing.assert_close(logits, ref(ids[None]).logits[0], atol=1e-4, rtol=1e-4)
 
@@ -61,5 +58,5 @@ def test_registry_lists_and_resolves(small_corpus, tmp_path, monkeypatch, capsys
 def test_warmup_cosine():
     lrs = [warmup_cosine(s, 100, 10, 1.0) for s in range(100)]
     assert lrs[0] == 0.1 and lrs[9] == 1.0
-    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(lrs[10:]))
     assert abs(lrs[-1] - 0.1) < 1e-3
