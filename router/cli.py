@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt")
     src.add_argument("--prompts", type=Path, help='JSONL file, one {"prompt": "..."} per line')
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
     gen.add_argument("--drafter", type=Path, help="trained drafter directory (methods that need one)")
     gen.add_argument("--method", default="none", choices=METHODS, help="drafting method")
     gen.add_argument("--gamma", type=int, default=4, help="block size γ: draft tokens per cycle")

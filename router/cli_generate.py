@@ -12,6 +12,7 @@ from rich.console import Console
 from drafter_worker.ngram import NgramProposer
 from router.local import GenerationRequest, GenerationResult, LocalRouter
 from router.policy import Policy
+from services.data.chat_format import render
 from services.errors import InvalidRequestError
 from services.loader import load_model
 from services.registry import resolve_model
@@ -52,6 +53,8 @@ def resolve_policy(args: argparse.Namespace) -> Policy:
 def run_generate(args: argparse.Namespace) -> int:
     policy = resolve_policy(args)
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
+    if args.chat:
+        prompts = [render([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
     model_dir = resolve_model(args.model)
     tokenizer = TextTokenizer.from_dir(model_dir)
     model = load_model(model_dir, args.dtype, args.device)
