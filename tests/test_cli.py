@@ -68,3 +68,8 @@ def test_profile_json(capsys, model_dir):
     assert [p["batch_tokens"] for p in table["points"]] == [1, 4, 12]
     assert [p["requests"] for p in table["points"]] == [1, 1, 3]
     assert all(p["sps"] > 0 and p["step_ms"] > 0 for p in table["points"])
+
+
+def test_generate_chat_wraps_the_prompt(capsys, model_dir):
+    (record,) = _generate(capsys, model_dir, "--prompt", "Hi?", "--chat")
+    assert record["prompt"] == "<|user|>\nHi?<|end|>\n<|assistant|>\n"
