@@ -10,6 +10,7 @@ timings interleave all γ round by round so a slow spell of this noisy VM hits t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -19,7 +20,9 @@ import torch
 
 from router.local import GenerationRequest, LocalRouter
 from router.policy import Policy
-from services.loader import resolve_dtype
+from services.loader import load_model, resolve_dtype
+from services.model import CausalLM
+from services.registry import resolve_model
 from services.tiny_model import random_model, tiny_config
 from services.types import DraftBlock, SamplingParams
 from verifier_worker.engine import Engine, EngineConfig
@@ -28,6 +31,10 @@ from verifier_worker.profile import time_forward
 
 
 def build_model(args) -> torch.nn.Module:
+    if args.model:
+        model = load_model(resolve_model(args.model), args.dtype)
+        print(f"model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+        return model
     cfg = tiny_config(args.vocab, eos_id=0, layers=args.layers, hidden=args.hidden)
     model = random_model(cfg, seed=0, std=0.05)
     params = sum(p.numel() for p in model.parameters())
@@ -53,6 +60,20 @@ def verify_cost(model, batches, gammas, context, rounds) -> list[dict]:
             rows.append({"batch": b, "gamma": q - 1, "ms": round(1000 * med, 3),
                          "ratio_vs_decode": round(med / base, 3)})
     return rows
+
+
+def drafter_block_ratio(model, context: int, rounds: int) -> dict:
+    """Target forward(1) against a one-layer model of the same width drafting a block of 8 (what a DFlash /
+    DSpark drafter costs per cycle): speculation can only pay when the first is several times the second."""
+    drafter = CausalLM(dataclasses.replace(model.config, num_hidden_layers=1)).to(model.dtype).eval()
+    caches = [KVCache(m.config, 1, context + 8, m.dtype, m.device) for m in (model, drafter)]
+    times: dict[str, list[float]] = {"target_1": [], "drafter_8": []}
+    for _ in range(rounds + 2):
+        times["target_1"] += time_forward(model, caches[0], [1], context, 1)
+        times["drafter_8"] += time_forward(drafter, caches[1], [8], context, 1)
+    target, block = (statistics.median(times[k][2:]) for k in ("target_1", "drafter_8"))
+    return {"target_forward_1_ms": round(1000 * target, 3), "drafter_block_8_ms": round(1000 * block, 3),
+            "ratio": round(target / block, 2)}
 
 
 def plain_decode(model, batches, prompt_len, new_tokens) -> list[dict]:
@@ -127,6 +148,7 @@ def _common_prefix(a, b) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="a shipped model or model directory (default: a random-weight model)")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=8192)
@@ -160,8 +182,13 @@ def main() -> None:
         cells = [f"γ={r['gamma']}: {r['ms']:.2f} ms ({r['ratio_vs_decode']:.2f}x)" for r in verify if r["batch"] == b]
         print(f"  batch {b:>3}: " + ", ".join(cells))
 
+    ratio = drafter_block_ratio(model, args.context, args.rounds)
+    print(f"\ntarget forward(1) {ratio['target_forward_1_ms']:.2f} ms vs one-layer drafter block of 8 "
+          f"{ratio['drafter_block_8_ms']:.2f} ms: {ratio['ratio']:.2f}x")
+
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, args.vocab, (16 + 8 * i,), generator=g).tolist() for i in range(8)]
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(3, vocab, (16 + 8 * i,), generator=g).tolist() for i in range(8)]
     identity = [greedy_identity(model, prompts, 64, 4, row_invariant=flag) for flag in (False, True)]
     print(f"\n{meta['dtype']} speculative greedy vs plain greedy, 8 prompts x 64 tokens, oracle drafter with errors:")
     for r in identity:
@@ -170,7 +197,8 @@ def main() -> None:
               f"τ={r['tau']}, plain {r['plain_tokens_per_s']} tok/s, speculative {r['spec_tokens_per_s']} tok/s")
     if args.json:
         with open(args.json, "w") as f:
-            results = {"meta": meta, "plain_decode": decode, "verify_cost": verify, "greedy_identity": identity}
+            results = {"meta": meta, "plain_decode": decode, "verify_cost": verify, "drafter_block": ratio,
+                       "greedy_identity": identity}
             json.dump(results, f, indent=2)
 
 
