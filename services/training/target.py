@@ -167,6 +167,9 @@ def export(cfg: TargetTrainConfig, model: CausalLM) -> Path:
     out = save_model(model, cfg.out_dir, torch.bfloat16)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(cfg.data_dir / "tokenizer" / name, out / name)
+    shutil.copy(cfg.data_dir / "manifest.json", out / "data_manifest.json")  # corpus provenance and hashes
+    if (cfg.run_dir / "log.jsonl").is_file():
+        shutil.copy(cfg.run_dir / "log.jsonl", out / "training_log.jsonl")
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": model.config.bos_token_id, "eos_token_id": list(model.config.eos_token_ids)}, indent=2)
         + "\n")
