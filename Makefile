@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-TINY := build/tiny-model
+MODEL ?= dspark-target
 PROMPT ?= def fibonacci(n):
 
 .PHONY: install serve test lint bench data data-deps clean
@@ -16,14 +16,11 @@ $(BIN)/dspark: pyproject.toml
 
 install: $(BIN)/dspark
 
-$(TINY)/config.json: | $(BIN)/dspark
-	$(BIN)/dspark make-tiny-model $(TINY)
-
-# Main job (for now): speculative generation with the n-gram drafter on a tiny demo model, then the same
+# Main job (for now): speculative generation with the n-gram drafter on the shipped target, then the same
 # prompt without speculation; greedy outputs are identical, τ and tokens/s differ.
-serve: $(TINY)/config.json
-	$(BIN)/dspark generate --model $(TINY) --method ngram --gamma 4 --max-tokens 96 --prompt '$(PROMPT)'
-	$(BIN)/dspark generate --model $(TINY) --method none --max-tokens 96 --prompt '$(PROMPT)'
+serve: $(BIN)/dspark
+	$(BIN)/dspark generate --model $(MODEL) --method ngram --gamma 4 --max-tokens 96 --prompt '$(PROMPT)'
+	$(BIN)/dspark generate --model $(MODEL) --method none --max-tokens 96 --prompt '$(PROMPT)'
 
 test: data-deps $(BIN)/dspark
 	$(BIN)/ruff check .
