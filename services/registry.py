@@ -35,7 +35,8 @@ def _parameters(model_dir: Path) -> int:
     return total
 
 
-def list_models(root: Path = MODELS_DIR) -> list[ModelEntry]:
+def list_models(root: Path | None = None) -> list[ModelEntry]:
+    root = root or MODELS_DIR
     entries = []
     for config in sorted(root.glob("*/config.json")):
         raw = json.loads(config.read_text())
@@ -47,8 +48,9 @@ def list_models(root: Path = MODELS_DIR) -> list[ModelEntry]:
     return entries
 
 
-def resolve_model(name_or_path: str | Path, root: Path = MODELS_DIR) -> Path:
+def resolve_model(name_or_path: str | Path, root: Path | None = None) -> Path:
     """A directory path as given, else the shipped model of that name."""
+    root = root or MODELS_DIR
     path = Path(name_or_path)
     if path.is_dir():
         return path
