@@ -11,31 +11,20 @@ import sysconfig
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from services.checkpoint import save_model
+from services.data.chat_format import EOS, PAD
+from services.data.tokenizer_build import train_byte_bpe
 from services.model import CausalLM
 from services.model_config import ModelConfig, RopeConfig
 
-EOS, PAD = "<|endoftext|>", "<|pad|>"
 
-
-def train_byte_bpe(vocab_size: int, max_files: int = 40) -> Tokenizer:
+def _stdlib_tokenizer(vocab_size: int, max_files: int = 40) -> Tokenizer:
     """Byte-level BPE trained on a deterministic slice of the standard library sources."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(stdlib.glob("*.py"))[:max_files]
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:max_files]
     texts = (f.read_text(encoding="utf-8", errors="replace") for f in files)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS, PAD],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    return tok
+    return train_byte_bpe(texts, vocab_size, (EOS, PAD))
 
 
 def tiny_config(vocab_size: int, eos_id: int, layers: int = 4, hidden: int = 256) -> ModelConfig:
@@ -67,7 +56,7 @@ def random_model(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> CausalLM
 
 def build_tiny_model(out_dir: str | Path, seed: int = 0, vocab_size: int = 2048, layers: int = 4) -> Path:
     out = Path(out_dir)
-    tok = train_byte_bpe(vocab_size)
+    tok = _stdlib_tokenizer(vocab_size)
     eos_id = tok.token_to_id(EOS)
     model = random_model(tiny_config(tok.get_vocab_size(), eos_id, layers=layers), seed)
     save_model(model, out, torch.bfloat16)

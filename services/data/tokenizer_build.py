@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -20,16 +20,21 @@ def _texts(data_dir: Path, split: str) -> Iterator[str]:
                 yield json.loads(line)["text"]
 
 
-def train_tokenizer(data_dir: Path, vocab_size: int = 8192) -> Tokenizer:
+def train_byte_bpe(texts: Iterable[str], vocab_size: int, special_tokens: Sequence[str]) -> Tokenizer:
+    """Byte-level BPE (every byte representable, so any text round-trips) trained on `texts`."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
+        vocab_size=vocab_size, min_frequency=2, special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
-    tok.train_from_iterator(_texts(data_dir, "train"), trainer)
+    tok.train_from_iterator(texts, trainer)
     return tok
+
+
+def train_tokenizer(data_dir: Path, vocab_size: int = 8192) -> Tokenizer:
+    return train_byte_bpe(_texts(data_dir, "train"), vocab_size, SPECIAL_TOKENS)
 
 
 def save_tokenizer(tok: Tokenizer, out_dir: Path, max_length: int) -> None:
