@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.types import DraftBlock
+from drafter_worker.proposer import StatelessProposer
+from services.types import DraftBlock, SamplingParams
 
 
-class NgramProposer:
+class NgramProposer(StatelessProposer):
     def __init__(self, min_n: int = 1, max_n: int = 4):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, contexts: dict[str, list[int]], gamma: int) -> dict[str, DraftBlock]:
+    def propose(self, contexts: dict[str, list[int]], gamma: int,
+                params: dict[str, SamplingParams] | None = None) -> dict[str, DraftBlock]:
         return {rid: DraftBlock(tokens=self.lookup(tokens, gamma)) for rid, tokens in contexts.items()}
 
     def lookup(self, tokens: list[int], gamma: int) -> list[int]:
@@ -40,6 +42,3 @@ class NgramProposer:
             end = int(full[-1]) if full.size else int(hits[0])
             return tokens[end + 1 : end + 1 + gamma]
         return []
-
-    def release(self, request_id: str) -> None:
-        """Keeps no per-request state."""

@@ -11,9 +11,18 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from router.cli_drafters import (
+    add_cache_parser,
+    add_eval_parsers,
+    add_train_parser,
+    run_calibrate,
+    run_eval,
+    run_target_cache,
+    run_train_drafter,
+)
 from services.errors import DsparkError
 
-METHODS = ("none", "ngram")
+METHODS = ("none", "ngram", "mtp", "eagle3", "dflash", "dspark")
 POLICIES = ("none", "fixed")
 
 
@@ -36,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="one prompt")
     src.add_argument("--prompts", type=Path, help='JSONL file, one {"prompt": "..."} per line')
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
-    gen.add_argument("--drafter", type=Path, help="trained drafter directory (methods that need one)")
+    gen.add_argument("--drafter", help="trained drafter: a shipped name (dspark models) or a directory")
     gen.add_argument("--method", default="none", choices=METHODS, help="drafting method")
     gen.add_argument("--gamma", type=int, default=4, help="block size γ: draft tokens per cycle")
     gen.add_argument("--policy", choices=POLICIES, help="verify-length policy (default: fixed with a drafter)")
@@ -86,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     ttarget.add_argument("--lr", type=float, default=1e-3)
     ttarget.add_argument("--eval-every", type=int, default=100, help="steps between validation passes")
     ttarget.add_argument("--seed", type=int, default=0)
+
+    add_cache_parser(data_sub)
+    add_train_parser(train_sub)
+    add_eval_parsers(sub)
 
     models = sub.add_parser("models", help="list the shipped models")
     models.add_argument("--json", action="store_true")
@@ -149,6 +162,9 @@ def _make_tiny(args: argparse.Namespace) -> int:
 def _data(args: argparse.Namespace) -> int:
     from services.data.build import DataConfig, build
 
+    if args.data_command == "target-cache":
+        return run_target_cache(args)
+
     cfg = DataConfig(out_dir=args.out, eval_dir=args.eval_dir, seed=args.seed, math_problems=args.math_problems,
                      eval_prompts=args.eval_prompts)
     manifest = build(cfg)
@@ -164,6 +180,9 @@ def _data(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from services.training.target import TargetTrainConfig, train
+
+    if args.train_command == "drafter":
+        return run_train_drafter(args)
 
     cfg = TargetTrainConfig(
         data_dir=args.data_dir, run_dir=args.run_dir, out_dir=args.out, total_tokens=args.total_tokens,
@@ -194,7 +213,7 @@ def _models(args: argparse.Namespace) -> int:
 
 _COMMANDS = {
     "generate": _generate, "profile": _profile, "data": _data, "train": _train, "models": _models,
-    "make-tiny-model": _make_tiny,
+    "make-tiny-model": _make_tiny, "calibrate": run_calibrate, "eval": run_eval,
 }
 
 

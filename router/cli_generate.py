@@ -9,6 +9,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from drafter_worker.checkpoint import drafter_config, load_drafter
+from drafter_worker.drafter import Drafter
 from drafter_worker.ngram import NgramProposer
 from router.local import GenerationRequest, GenerationResult, LocalRouter
 from router.policy import Policy
@@ -43,8 +45,10 @@ def resolve_policy(args: argparse.Namespace) -> Policy:
         if args.policy not in (None, "none"):
             raise InvalidRequestError(f"--policy {args.policy} needs a drafting --method")
         return Policy.NONE
-    if args.drafter is not None:
-        raise InvalidRequestError(f"--method {args.method} is model-free and takes no --drafter")
+    if args.method == "ngram" and args.drafter is not None:
+        raise InvalidRequestError("--method ngram is model-free and takes no --drafter")
+    if args.method != "ngram" and args.drafter is None:
+        raise InvalidRequestError(f"--method {args.method} needs --drafter (a trained {args.method} drafter)")
     if args.gamma < 1:
         raise InvalidRequestError("--gamma must be >= 1")
     return Policy(args.policy or "fixed")
@@ -57,10 +61,20 @@ def run_generate(args: argparse.Namespace) -> int:
         prompts = [render([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
     model_dir = resolve_model(args.model)
     tokenizer = TextTokenizer.from_dir(model_dir)
-    model = load_model(model_dir, args.dtype, args.device)
+    proposer, taps = None, ()
+    if args.method not in ("none", "ngram"):
+        dcfg = drafter_config(resolve_model(args.drafter))
+        if dcfg.method != args.method:
+            raise InvalidRequestError(f"{args.drafter} is a {dcfg.method} drafter, not {args.method}")
+        taps = dcfg.tap_layers
+    model = load_model(model_dir, args.dtype, args.device, tap_layers=taps)
+    if taps:
+        draft_model, calibration = load_drafter(args.drafter, model, args.dtype, args.device)
+        proposer = Drafter(draft_model, calibration)
+    elif args.method == "ngram":
+        proposer = NgramProposer()
     row_invariant = {"auto": None, "on": True, "off": False}[args.row_invariant]
     engine = Engine(model, EngineConfig(num_slots=args.max_batch, max_len=args.max_len, row_invariant=row_invariant))
-    proposer = NgramProposer() if args.method == "ngram" else None
     router = LocalRouter(engine, proposer, policy, args.gamma)
     requests = [
         GenerationRequest(

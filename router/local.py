@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from drafter_worker.proposer import Proposer
 from router.policy import Policy, max_verify_len, verify_len
 from services.errors import CapacityError
-from services.types import FinishReason, OutcomeKind, SamplingParams, StepOutput
+from services.types import DraftBlock, FinishReason, OutcomeKind, SamplingParams, StepOutput
 from verifier_worker.engine import Engine
 
 
@@ -35,6 +35,7 @@ class GenerationResult:
     accepted_tokens: int
     accepted_per_pos: list[int]  # [γ] cycles whose draft at position k was accepted
     elapsed_s: float
+    proposed_per_pos: list[int] = field(default_factory=list)  # [γ] cycles that verified a draft at position k
 
     @property
     def tau(self) -> float:
@@ -57,6 +58,8 @@ class _Session:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    proposed_per_pos: list[int] = field(default_factory=list)
+    block: DraftBlock | None = None  # the cycle in flight
 
     @property
     def remaining(self) -> int:
@@ -64,14 +67,17 @@ class _Session:
 
 
 TokenCallback = Callable[[str, list[int]], None]
+# Called once per verified cycle with the block sent (ℓ drafts, confidences) and the verifier's outcome.
+CycleObserver = Callable[[str, DraftBlock | None, StepOutput], None]
 
 
 class LocalRouter:
     def __init__(self, engine: Engine, proposer: Proposer | None = None, policy: Policy = Policy.NONE,
-                 gamma: int = 4):
+                 gamma: int = 4, observer: CycleObserver | None = None):
         if policy is not Policy.NONE and proposer is None:
             raise ValueError(f"policy {policy} needs a drafter")
         self.engine, self.proposer, self.policy, self.gamma = engine, proposer, policy, gamma
+        self.observer = observer
 
     def generate(self, requests: list[GenerationRequest], on_tokens: TokenCallback | None = None
                  ) -> list[GenerationResult]:
@@ -86,6 +92,10 @@ class LocalRouter:
                 raise RuntimeError("engine made no progress with requests outstanding")
             for out in outputs:
                 session = sessions[out.request_id]
+                if self.proposer is not None:
+                    self.proposer.commit(out.request_id, out.feature_start, out.features)
+                if self.observer is not None and out.kind not in (None, OutcomeKind.FIRST):
+                    self.observer(out.request_id, session.block, out)
                 new = self._commit(session, out)
                 if new and on_tokens:
                     on_tokens(out.request_id, new)
@@ -108,13 +118,14 @@ class LocalRouter:
         ready = {rid: s for rid, s in sessions.items() if s.output and not s.in_flight}
         bounds = {rid: max_verify_len(self.policy, self.gamma, s.remaining) for rid, s in ready.items()}
         contexts = {rid: self.engine.tokens(rid) for rid in ready if bounds[rid] > 0}
-        blocks = self.proposer.propose(contexts, self.gamma) if contexts and self.proposer else {}
+        params = {rid: ready[rid].request.params for rid in contexts}
+        blocks = self.proposer.propose(contexts, self.gamma, params) if contexts and self.proposer else {}
         for rid, session in ready.items():
             block = blocks.get(rid)
             if block is not None:
                 block = block.head(verify_len(self.policy, len(block), bounds[rid]))
             self.engine.submit(rid, block)
-            session.in_flight = True
+            session.in_flight, session.block = True, block
 
     @staticmethod
     def _commit(session: _Session, out: StepOutput) -> list[int]:
@@ -130,6 +141,10 @@ class LocalRouter:
                 session.accepted_per_pos.extend([0] * (out.num_drafts - len(session.accepted_per_pos)))
             for k in range(out.num_accepted):
                 session.accepted_per_pos[k] += 1
+            if len(session.proposed_per_pos) < out.num_drafts:
+                session.proposed_per_pos.extend([0] * (out.num_drafts - len(session.proposed_per_pos)))
+            for k in range(out.num_drafts):
+                session.proposed_per_pos[k] += 1
         new = []
         stops = session.request.stop_token_ids
         for token in out.emitted:
@@ -162,5 +177,6 @@ class LocalRouter:
             draft_tokens=session.draft_tokens,
             accepted_tokens=session.accepted_tokens,
             accepted_per_pos=session.accepted_per_pos,
+            proposed_per_pos=session.proposed_per_pos,
             elapsed_s=time.perf_counter() - session.started,
         )

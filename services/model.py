@@ -16,6 +16,7 @@ from services.rope import RotaryTable
 class ForwardOutput:
     logits: torch.Tensor  # [M, V] fp32, for the requested rows only
     features: torch.Tensor | None  # [N, num_taps * d] hidden states after the tap layers, model dtype
+    hidden: torch.Tensor | None = None  # [B, T, d] final normed hidden state (forward_dense only)
 
 
 class Decoder(nn.Module):
@@ -88,5 +89,6 @@ class CausalLM(nn.Module):
             x = layer.forward_dense(x, rope)
             if i in self.tap_layers:
                 taps.append(x)
-        logits = self.lm_head(self.model.norm(x))  # [B, T, V]
-        return ForwardOutput(logits=logits, features=torch.cat(taps, dim=-1) if taps else None)
+        hidden = self.model.norm(x)  # [B, T, d]
+        return ForwardOutput(logits=self.lm_head(hidden), features=torch.cat(taps, dim=-1) if taps else None,
+                             hidden=hidden)

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import torch
 
+from drafter_worker.proposer import StatelessProposer
 from services.sampling import truncate_to_sparse
 from services.types import DraftBlock
 
 
-class RandomProposer:
+class RandomProposer(StatelessProposer):
     """Random tokens, each sampled from a random distribution truncated to `k` ids (sparse q)."""
 
     def __init__(self, vocab: int, k: int = 8, seed: int = 0):
         self.vocab, self.k = vocab, k
         self.gen = torch.Generator().manual_seed(seed)
 
-    def propose(self, contexts: dict[str, list[int]], gamma: int) -> dict[str, DraftBlock]:
+    def propose(self, contexts: dict[str, list[int]], gamma: int, params=None) -> dict[str, DraftBlock]:
         out = {}
         for rid in contexts:
             logits = torch.randn(gamma, self.vocab, generator=self.gen) * 3
@@ -25,18 +26,15 @@ class RandomProposer:
             out[rid] = DraftBlock(tokens=tokens, q_ids=ids, q_probs=probs)
         return out
 
-    def release(self, request_id: str) -> None:
-        pass
 
-
-class OracleProposer:
+class OracleProposer(StatelessProposer):
     """Proposes the known continuation, with each token wrong with probability `error_rate`."""
 
     def __init__(self, answers: dict[str, list[int]], vocab: int, error_rate: float = 0.25, seed: int = 0):
         self.answers, self.vocab, self.error_rate = answers, vocab, error_rate
         self.gen = torch.Generator().manual_seed(seed)
 
-    def propose(self, contexts: dict[str, list[int]], gamma: int) -> dict[str, DraftBlock]:
+    def propose(self, contexts: dict[str, list[int]], gamma: int, params=None) -> dict[str, DraftBlock]:
         out = {}
         for rid, ctx in contexts.items():
             tokens = list(self.answers[rid][len(ctx) : len(ctx) + gamma])
@@ -46,11 +44,8 @@ class OracleProposer:
             out[rid] = DraftBlock(tokens=tokens)
         return out
 
-    def release(self, request_id: str) -> None:
-        pass
 
-
-class FixedDistributionProposer:
+class FixedDistributionProposer(StatelessProposer):
     """Every draft sampled from one fixed sparse q. A systematic q makes a biased rule visible."""
 
     def __init__(self, ids: list[int], probs: list[float], seed: int = 0):
@@ -58,13 +53,10 @@ class FixedDistributionProposer:
         self.probs = torch.tensor(probs)  # [K]
         self.gen = torch.Generator().manual_seed(seed)
 
-    def propose(self, contexts: dict[str, list[int]], gamma: int) -> dict[str, DraftBlock]:
+    def propose(self, contexts: dict[str, list[int]], gamma: int, params=None) -> dict[str, DraftBlock]:
         out = {}
         for rid in contexts:
             picks = torch.multinomial(self.probs, gamma, replacement=True, generator=self.gen)  # [γ]
             out[rid] = DraftBlock(tokens=self.ids[picks].tolist(), q_ids=self.ids.expand(gamma, -1),
                                   q_probs=self.probs.expand(gamma, -1))
         return out
-
-    def release(self, request_id: str) -> None:
-        pass

@@ -1,0 +1,77 @@
+"""DFlash and DSpark draft models: one parallel forward over [anchor, MASK × (γ−1)].
+
+Slot k (0-based) at position anchor_pos + k predicts the token at anchor_pos + k + 1 (shifted layout: the
+anchor slot predicts the first draft). The block attends to the injected context of positions strictly
+before the anchor, whose target features exist, and bidirectionally to itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from drafter_worker.config import DrafterConfig
+from drafter_worker.heads import ConfidenceHead, SequentialHead
+from drafter_worker.layers import BlockLayer, ContextProjection
+from services.layers import RMSNorm
+from services.model_config import ModelConfig
+from services.rope import RotaryTable
+
+ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v) [B, Hkv, S, Dh]
+
+
+class BlockDraftModel(nn.Module):
+    def __init__(self, dcfg: DrafterConfig, cfg: ModelConfig):
+        super().__init__()
+        self.dconfig, self.config = dcfg, cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # the target's, frozen
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # the target's, frozen
+        self.context = ContextProjection(cfg, len(dcfg.tap_layers))
+        self.layers = nn.ModuleList(BlockLayer(cfg) for _ in range(dcfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.seq_head = None
+        if dcfg.head is not None:
+            self.seq_head = SequentialHead(dcfg.head, cfg.vocab_size, cfg.hidden_size, dcfg.markov_rank)
+        self.confidence = ConfidenceHead(cfg.hidden_size, dcfg.markov_rank) if dcfg.confidence_head else None
+        self._rotary: RotaryTable | None = None
+
+    def rotary(self) -> RotaryTable:
+        device = self.lm_head.weight.device
+        if self._rotary is None or self._rotary.cos.device != device:
+            self._rotary = RotaryTable(self.config.rope, self.config.head_dim, self.config.max_context, device)
+        return self._rotary
+
+    def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> ContextKV:
+        """Target features taps [B, S, T*d] at positions [B, S] → each layer's context (k, v) [B, Hkv, S, Dh]."""
+        ctx = self.context(taps)  # [B, S, d]
+        rope = self.rotary().gather(positions, ctx.dtype)
+        return [layer.self_attn.keys_values(ctx, rope) for layer in self.layers]
+
+    def backbone(
+        self,
+        anchors: torch.Tensor,  # [A] int64 anchor tokens
+        anchor_pos: torch.Tensor,  # [A] int64 anchor positions
+        ctx_kv: ContextKV,  # per layer [A | 1, Hkv, S, Dh]
+        ctx_mask: torch.Tensor,  # [A, S] bool, context positions visible to each block (< anchor)
+        gamma: int,
+    ) -> torch.Tensor:
+        """→ h [A, γ, d], the final-normed state of every slot."""
+        slots = torch.full((anchors.shape[0], gamma), self.dconfig.mask_token_id, dtype=torch.long,
+                           device=anchors.device)
+        slots[:, 0] = anchors  # [A, γ]: anchor, MASK, ..., MASK
+        positions = anchor_pos[:, None] + torch.arange(gamma, device=anchors.device)  # [A, γ]
+        x = self.embed_tokens(slots)  # [A, γ, d]
+        rope = self.rotary().gather(positions, x.dtype)  # [A, γ, 1, Dh]
+        for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
+            x = layer(x, rope, k, v, ctx_mask)
+        return self.norm(x)
+
+    def teacher_forced(self, h: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Training: h [A, γ, d], ground-truth previous tokens prev [A, γ] (anchor first) →
+        draft logits U + B [A, γ, V] and confidence logits [A, γ] (None without the head)."""
+        logits = self.lm_head(h)  # U [A, γ, V]
+        if self.seq_head is None:
+            return logits, None
+        bias, prev_embed = self.seq_head.teacher_forced(prev, h)
+        conf = self.confidence(h, prev_embed) if self.confidence is not None else None
+        return logits + bias, conf

@@ -1,0 +1,90 @@
+"""A drafter's configuration: which method, which target, which target features, which heads.
+
+A drafter checkpoint is the target's `config.json` (same width, heads and MLP size; its own layer count)
+with a `dspark_drafter` section holding this config. Embedding and LM head are the target's, frozen,
+and are read from the target at load time rather than stored twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from enum import StrEnum
+
+
+class Method(StrEnum):
+    MTP = "mtp"  # DeepSeek-V3 MTP module, one draft per cycle
+    EAGLE3 = "eagle3"  # one decoder layer over fused features, autoregressive
+    DFLASH = "dflash"  # parallel backbone over [anchor, MASK × (γ−1)]
+    DSPARK = "dspark"  # dflash backbone + sequential head + confidence head
+
+    @property
+    def is_block(self) -> bool:
+        return self in (Method.DFLASH, Method.DSPARK)
+
+
+class HeadType(StrEnum):
+    """DSpark sequential head: the prefix-dependent bias B_k added to the backbone logits U_k."""
+
+    MARKOV = "markov"  # B_k = W2 · W1[x_{k−1}]
+    GATED = "gated"  # B_k = W2 · (g ⊙ W1[x_{k−1}]), g = σ(Linear([h_k; W1[x_{k−1}]]))
+    RNN = "rnn"  # GRU-like state over the in-block prefix
+
+
+@dataclass(slots=True)
+class DrafterConfig:
+    method: Method
+    target: str  # name of the target it was trained against
+    tap_layers: tuple[int, ...]  # target decoder layers whose outputs it conditions on
+    num_layers: int = 1
+    block_size: int = 7  # γ it was trained for (TTT length for eagle3, 1 for mtp)
+    mask_token_id: int | None = None  # block drafters: the [MASK] row of the target's embedding
+    head: HeadType | None = None  # dspark only
+    markov_rank: int = 0
+    confidence_head: bool = False
+
+    def __post_init__(self) -> None:
+        self.method = Method(self.method)
+        self.head = None if self.head is None else HeadType(self.head)
+        self.tap_layers = tuple(int(t) for t in self.tap_layers)
+        if not self.tap_layers:
+            raise ValueError("a drafter needs at least one target tap layer")
+        if self.num_layers < 1 or self.block_size < 1:
+            raise ValueError("num_layers and block_size must be >= 1")
+        if self.method.is_block and self.mask_token_id is None:
+            raise ValueError(f"{self.method} needs mask_token_id")
+        if self.method is Method.MTP and self.block_size != 1:
+            raise ValueError("mtp drafts exactly one token (block_size 1)")
+        if (self.head is None) != (self.method is not Method.DSPARK):
+            raise ValueError("a sequential head belongs to dspark, and dspark needs one")
+        if self.head is not None and self.markov_rank < 1:
+            raise ValueError("the sequential head needs markov_rank >= 1")
+        if self.confidence_head and self.method is not Method.DSPARK:
+            raise ValueError("only dspark has a confidence head")
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["tap_layers"] = list(self.tap_layers)
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> DrafterConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown drafter config keys: {', '.join(unknown)}")
+        return cls(**raw)
+
+
+def default_config(method: Method | str, target: str, tap_layers: tuple[int, ...], mask_token_id: int,
+                   head: HeadType | str = HeadType.MARKOV) -> DrafterConfig:
+    """The shipped recipe per method: DSpark and DFlash share a 2-layer backbone and γ = 7, EAGLE-3 one
+    layer unrolled 7 steps, MTP one layer and one draft."""
+    method = Method(method)
+    if method is Method.MTP:
+        return DrafterConfig(method, target, tap_layers, num_layers=1, block_size=1)
+    if method is Method.EAGLE3:
+        return DrafterConfig(method, target, tap_layers, num_layers=1, block_size=7)
+    if method is Method.DFLASH:
+        return DrafterConfig(method, target, tap_layers, num_layers=2, block_size=7, mask_token_id=mask_token_id)
+    return DrafterConfig(method, target, tap_layers, num_layers=2, block_size=7, mask_token_id=mask_token_id,
+                         head=HeadType(head), markov_rank=128, confidence_head=True)

@@ -1,0 +1,198 @@
+"""The `Drafter` core: batched drafting for many requests over one draft model (no Ray, no gRPC).
+
+Per request it keeps only the draft context: the keys and values of positions whose target features
+were committed (all positions before the anchor). `commit` queues new features; `propose` folds them
+into the context, then drafts a block for every request in one batch. Block K/V and draft rows are
+dropped after each cycle, so a rejected draft leaves nothing behind.
+
+Draft tokens are sampled at each request's own temperature / top-k / top-p from the truncated
+distribution q'_k (top `max_q` ids, renormalised), which is sent with the block: the verifier's
+rejection rule is exact for any q. Greedy requests draft the argmax and send no q.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from drafter_worker.block_model import BlockDraftModel
+from drafter_worker.calibration import Calibration
+from drafter_worker.chain_model import ChainDraftModel
+from drafter_worker.proposer import StatelessProposer
+from services.sampling import logits_to_probs, truncate_to_sparse
+from services.types import DraftBlock, SamplingParams
+
+
+@dataclass(slots=True)
+class _Context:
+    positions: int = 0  # context rows folded in (positions 0..positions−1)
+    pending: list[torch.Tensor] = field(default_factory=list)  # features [P, T*d] not folded in yet
+    pending_start: int = 0
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer [Hkv, n, Dh]
+    last_out: torch.Tensor | None = None  # chain models: output of the last context row [d]
+
+    @property
+    def known(self) -> int:
+        """Positions with target features, folded in or pending."""
+        return self.pending_start + sum(len(f) for f in self.pending) if self.pending else self.positions
+
+
+class Drafter(StatelessProposer):
+    def __init__(self, model: BlockDraftModel | ChainDraftModel, calibration: Calibration | None = None,
+                 max_q: int = 64, seed: int = 0):
+        self.model, self.calibration, self.max_q = model, calibration, max_q
+        self.block = isinstance(model, BlockDraftModel)
+        self.generator = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+        self._contexts: dict[str, _Context] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    # ---- context ------------------------------------------------------------------------------
+    def commit(self, request_id: str, feature_start: int, features: torch.Tensor | None) -> None:
+        if features is None or len(features) == 0:
+            return
+        ctx = self._contexts.setdefault(request_id, _Context())
+        if feature_start != ctx.known:
+            raise ValueError(f"{request_id}: features start at {feature_start}, context has {ctx.known} positions")
+        if not ctx.pending:
+            ctx.pending_start = feature_start
+        ctx.pending.append(features.to(self.device, self.model.lm_head.weight.dtype))
+
+    def release(self, request_id: str) -> None:
+        self._contexts.pop(request_id, None)
+
+    def context_length(self, request_id: str) -> int:
+        ctx = self._contexts.get(request_id)
+        return 0 if ctx is None else ctx.positions
+
+    # ---- drafting -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def propose(self, contexts: dict[str, list[int]], gamma: int,
+                params: dict[str, SamplingParams] | None = None) -> dict[str, DraftBlock]:
+        ready = [rid for rid, tokens in contexts.items()
+                 if rid in self._contexts and self._contexts[rid].known == len(tokens) - 1 and gamma > 0]
+        out = {rid: DraftBlock(tokens=[]) for rid in contexts if rid not in ready}
+        if not ready:
+            return out
+        params = params or {}
+        sampling = [params.get(rid, SamplingParams()) for rid in ready]
+        anchors = torch.tensor([contexts[rid][-1] for rid in ready], device=self.device)  # [R]
+        anchor_pos = torch.tensor([len(contexts[rid]) - 1 for rid in ready], device=self.device)  # [R]
+        for rid in ready:
+            self._fold(rid, contexts[rid])
+        kv, mask = self._padded_context(ready)
+        if self.block:
+            tokens, q, conf = self._draft_block(anchors, anchor_pos, kv, mask, sampling, gamma)
+        else:
+            tokens, q, conf = self._draft_chain(ready, anchor_pos, kv, mask, sampling, gamma)
+        for i, rid in enumerate(ready):
+            q_ids, q_probs = (None, None) if q[i] is None else q[i]
+            out[rid] = DraftBlock(tokens=tokens[i], q_ids=q_ids, q_probs=q_probs,
+                                  confidences=None if conf is None else conf[i].tolist())
+        return out
+
+    def _fold(self, rid: str, tokens: list[int]) -> None:
+        """Turn pending features into context K/V (block models) or run them as context rows (chain)."""
+        ctx = self._contexts[rid]
+        if not ctx.pending:
+            return
+        taps = torch.cat(ctx.pending)[None]  # [1, P, T*d]
+        positions = torch.arange(ctx.pending_start, ctx.pending_start + taps.shape[1], device=self.device)[None]
+        ctx.pending = []
+        if self.block:
+            new = [(k[0], v[0]) for k, v in self.model.context_kv(taps, positions)]
+        else:
+            first, count = ctx.pending_start, taps.shape[1]
+            next_tokens = torch.tensor(tokens[first + 1 : first + count + 1], device=self.device)[None]  # [1, P]
+            residual, q, k, v = self.model.project(self.model.context(taps), next_tokens, positions)
+            keys = k if not ctx.kv else torch.cat([ctx.kv[0][0][None], k], dim=2)
+            values = v if not ctx.kv else torch.cat([ctx.kv[0][1][None], v], dim=2)
+            n, total = q.shape[2], keys.shape[2]
+            causal = torch.ones(n, total, dtype=torch.bool, device=self.device).tril(total - n)[None, None]
+            ctx.last_out = self.model.finish(residual, q, keys, values, causal)[0, -1]  # [d]
+            new = [(k[0], v[0])]
+        ctx.kv = new if not ctx.kv else [(torch.cat([k0, k1], 1), torch.cat([v0, v1], 1))
+                                         for (k0, v0), (k1, v1) in zip(ctx.kv, new, strict=True)]
+        ctx.positions = int(positions[0, -1]) + 1
+
+    def _padded_context(self, rids: list[str]):
+        """Per layer (k, v) [R, Hkv, S, Dh] padded to the longest context, and the mask [R, S]."""
+        lengths = [self._contexts[rid].positions for rid in rids]
+        longest = max(lengths)
+        mask = torch.arange(longest, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]
+        layers = []
+        for layer in range(len(self._contexts[rids[0]].kv)):
+            ks, vs = [], []
+            for rid, n in zip(rids, lengths, strict=True):
+                k, v = self._contexts[rid].kv[layer]  # [Hkv, n, Dh]
+                pad = (0, 0, 0, longest - n)
+                ks.append(torch.nn.functional.pad(k, pad))
+                vs.append(torch.nn.functional.pad(v, pad))
+            layers.append((torch.stack(ks), torch.stack(vs)))
+        return layers, mask
+
+    def _draft_block(self, anchors, anchor_pos, kv, mask, sampling, gamma):
+        model = self.model
+        h = model.backbone(anchors, anchor_pos, kv, mask, gamma)  # [R, γ, d]
+        base = model.lm_head(h).float()  # U [R, γ, V]
+        prev, state = anchors, None
+        if model.seq_head is not None:
+            state = model.seq_head.init_state(len(anchors), h[:, 0])
+        steps, conf_logits = [], []
+        for k in range(gamma):
+            logits = base[:, k]  # [R, V]
+            if model.seq_head is not None:
+                bias, prev_embed, state = model.seq_head.step(prev, h[:, k], state)
+                logits = logits + bias.float()
+                if model.confidence is not None:
+                    conf_logits.append(model.confidence(h[:, k], prev_embed).float())  # [R]
+            prev, draft = self._sample(logits, sampling)
+            steps.append(draft)
+        return self._collect(steps, conf_logits)
+
+    def _draft_chain(self, rids, anchor_pos, kv, mask, sampling, gamma):
+        model = self.model
+        hidden = torch.stack([self._contexts[rid].last_out for rid in rids])  # [R, d] predicts x_1
+        prev, draft = self._sample(model.logits(hidden).float(), sampling)
+        steps = [draft]
+        (ctx_k, ctx_v), = kv
+        keys, values = ctx_k, ctx_v  # grow by one draft row per step
+        for k in range(1, gamma):
+            positions = (anchor_pos + k - 1)[:, None]  # [R, 1] draft row k predicts x_{k+1}
+            residual, q, kk, vv = model.project(hidden[:, None], prev[:, None], positions)
+            keys, values = torch.cat([keys, kk], 2), torch.cat([values, vv], 2)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)  # [R, S + k]
+            hidden = model.finish(residual, q, keys, values, mask[:, None, None])[:, 0]  # [R, d]
+            prev, draft = self._sample(model.logits(hidden).float(), sampling)
+            steps.append(draft)
+        return self._collect(steps, [])
+
+    def _sample(self, logits: torch.Tensor, sampling: list[SamplingParams]):
+        """logits [R, V] fp32 → next tokens [R] and per request (token, q ids [K], q probs [K]) or token only."""
+        temps = torch.tensor([p.temperature for p in sampling], device=logits.device)
+        top_k = torch.tensor([p.top_k for p in sampling], device=logits.device)
+        top_p = torch.tensor([p.top_p for p in sampling], device=logits.device)
+        probs = logits_to_probs(logits, temps, top_k, top_p)  # [R, V]
+        ids, q = truncate_to_sparse(probs, self.max_q)  # [R, K]
+        pick = torch.multinomial(q, 1, generator=self.generator)  # [R, 1]
+        tokens = torch.where(temps == 0, logits.argmax(-1), ids.gather(-1, pick)[:, 0])
+        draft = [(int(t), None) if p.greedy else (int(t), (ids[i], q[i]))
+                 for i, (t, p) in enumerate(zip(tokens, sampling, strict=True))]
+        return tokens, draft
+
+    def _collect(self, steps, conf_logits):
+        """Per-step lists → per-request tokens [γ], sparse q ([γ, K] ids, probs) or None, confidences [R, γ]."""
+        tokens = [[step[i][0] for step in steps] for i in range(len(steps[0]))]
+        q = []
+        for i in range(len(steps[0])):
+            rows = [step[i][1] for step in steps]
+            q.append(None if rows[0] is None else (torch.stack([r[0] for r in rows]).cpu(),
+                                                   torch.stack([r[1] for r in rows]).cpu()))
+        conf = None
+        if conf_logits:
+            z = torch.stack(conf_logits, dim=1)  # [R, γ] confidence logits
+            conf = self.calibration.apply(z) if self.calibration is not None else torch.sigmoid(z)
+        return tokens, q, conf

@@ -1,0 +1,42 @@
+"""`dspark data target-cache`: rollouts of the target on train and held-out prompts, then their caches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from services.loader import load_model
+from services.registry import resolve_model
+from services.tokenizer import TextTokenizer
+from services.training import rollouts, target_cache
+
+
+def default_tap_layers(num_layers: int) -> tuple[int, ...]:
+    """Low, middle and high decoder-layer outputs, never the last layer (EAGLE-3's three taps)."""
+    if num_layers < 4:
+        return tuple(range(num_layers))
+    return tuple(sorted({1, num_layers // 2, num_layers - 2}))
+
+
+def prepare(target: str, run_dir: Path, data_dir: Path, cfg: rollouts.RolloutConfig, val_per_domain: int = 64,
+            tap_layers: tuple[int, ...] | None = None) -> dict[str, Path]:
+    """Build (or resume) `run_dir/{train,val}` caches; returns their directories."""
+    torch.manual_seed(cfg.seed)
+    model_dir = resolve_model(target)
+    tokenizer = TextTokenizer.from_dir(model_dir)
+    model = load_model(model_dir, "float32", "cpu")
+    taps = tap_layers or default_tap_layers(model.config.num_hidden_layers)
+    model = load_model(model_dir, "float32", "cpu", tap_layers=taps)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    caches = {}
+    for split, per_domain in (("val", val_per_domain), ("train", cfg.prompts_per_domain)):
+        out = run_dir / f"rollouts.{split}.jsonl"
+        cache_dir = run_dir / "cache" / split
+        caches[split] = cache_dir
+        if (cache_dir / "manifest.json").exists():
+            continue
+        items = list(rollouts.prompts(data_dir, split, per_domain, cfg.seed))
+        rollouts.generate(model, tokenizer, items, cfg, out)
+        target_cache.build(model, rollouts.read(out), cache_dir, target=model_dir.name)
+    return caches

@@ -1,0 +1,71 @@
+"""Drafter losses (DeepSpec parity), all weighted means over draft positions.
+
+Vocabulary: k = 0..γ−1 is the draft position (slot k predicts the token at anchor + k + 1); p_d the
+draft distribution (Markov-corrected, teacher-forced), p_t the target's, both full fp32 softmaxes;
+eval_mask[a, k] marks the contiguous valid prefix of block a. Each term is Σ w·term / Σ w.
+
+  dspark  0.1·CE(p_d, x*) + 0.9·‖p_d − p_t‖₁ + 1.0·BCE(z, 1 − ½‖p_d − p_t‖₁),  w = exp(−k/4)
+  dflash  CE(p_d, x*),                                                         w = exp(−k/4)
+  eagle3  soft CE −Σ p_t log p_d (the target distribution as label),            w = 0.8^k
+1 − ½‖p_d − p_t‖₁ is the probability that a draft from p_d survives verification against p_t at T = 1,
+which is why it is both the distillation target (as L1) and the confidence label.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def decay_weights(eval_mask: torch.Tensor, decay: float = 4.0) -> torch.Tensor:
+    """eval_mask [A, γ] → w [A, γ] = mask · exp(−k / decay)."""
+    k = torch.arange(eval_mask.shape[1], device=eval_mask.device, dtype=torch.float32)
+    return eval_mask.float() * torch.exp(-k / decay)
+
+
+def step_weights(eval_mask: torch.Tensor, base: float = 0.8) -> torch.Tensor:
+    """EAGLE-3's step-loss decay: w [A, γ] = mask · base^k."""
+    k = torch.arange(eval_mask.shape[1], device=eval_mask.device, dtype=torch.float32)
+    return eval_mask.float() * base**k
+
+
+def _wmean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return (values * weights).sum() / weights.sum().clamp_min(1e-12)
+
+
+def acceptance(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """→ (log p_d [A, γ, V], 1 − ½‖p_d − p_t‖₁ [A, γ]) in fp32."""
+    log_pd = F.log_softmax(draft_logits.float(), dim=-1)
+    p_t = F.softmax(target_logits.float(), dim=-1)
+    return log_pd, 1.0 - 0.5 * (log_pd.exp() - p_t).abs().sum(-1)
+
+
+def dspark_loss(
+    draft_logits: torch.Tensor,  # [A, γ, V] U + B
+    target_logits: torch.Tensor,  # [A, γ, V]
+    labels: torch.Tensor,  # [A, γ] int64 data tokens x*
+    weights: torch.Tensor,  # [A, γ]
+    conf_logits: torch.Tensor | None = None,  # [A, γ] z_k
+    mix: tuple[float, float, float] = (0.1, 0.9, 1.0),
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    log_pd, accept = acceptance(draft_logits, target_logits)
+    terms = {"ce": _wmean(-log_pd.gather(-1, labels[..., None])[..., 0], weights),
+             "l1": _wmean(2.0 * (1.0 - accept), weights)}
+    if conf_logits is not None:
+        label = accept.detach().clamp(0.0, 1.0)
+        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), label, reduction="none")
+        terms["conf"] = _wmean(bce, weights)
+    loss = mix[0] * terms["ce"] + mix[1] * terms["l1"] + mix[2] * terms.get("conf", 0.0)
+    return loss, {**terms, "accept": accept.detach()}
+
+
+def dflash_loss(draft_logits, target_logits, labels, weights) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    return dspark_loss(draft_logits, target_logits, labels, weights, None, mix=(1.0, 0.0, 0.0))
+
+
+def soft_ce_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, weights: torch.Tensor
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    log_pd, accept = acceptance(draft_logits, target_logits)
+    p_t = F.softmax(target_logits.float(), dim=-1)
+    loss = _wmean(-(p_t * log_pd).sum(-1), weights)
+    return loss, {"soft_ce": loss, "accept": accept.detach()}

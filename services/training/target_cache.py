@@ -1,0 +1,106 @@
+"""The target cache: what drafter training reads instead of running the target.
+
+Per sequence (prompt + regenerated response): token ids, a loss mask over the response, the target's
+tap features and its final normed hidden state (target logits are recomputed from it with the frozen LM
+head, as DeepSpec does). Arrays are flat over all sequences and memory-mapped; `manifest.json` holds
+offsets, lengths, domains and what produced them.
+
+Files: ids.npy int32 [N], loss_mask.npy uint8 [N], taps.npy bf16-as-uint16 [N, T*d],
+hidden.npy bf16-as-uint16 [N, d], manifest.json.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.progress import track
+
+from services.model import CausalLM
+
+
+@dataclass(slots=True)
+class CachedSequence:
+    ids: torch.Tensor  # [S] int64
+    loss_mask: torch.Tensor  # [S] bool, True on response tokens
+    taps: torch.Tensor  # [S, T*d] fp32
+    hidden: torch.Tensor  # [S, d] fp32, final normed hidden (target logits = lm_head(hidden))
+    domain: str
+
+
+def _bf16_bits(x: torch.Tensor) -> np.ndarray:
+    return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def _from_bits(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.array(a).view(np.int16)).view(torch.bfloat16).float()
+
+
+@torch.no_grad()
+def build(model: CausalLM, records: list[dict], out_dir: Path, target: str, batch: int = 8) -> dict:
+    """Run the target over every (prompt, response) record and write the cache to `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = [r for r in records if len(r["response_ids"]) >= 2]
+    lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in records]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    total, d, taps_width = int(offsets[-1]), model.config.hidden_size, model.config.hidden_size * len(model.tap_layers)
+    ids = np.lib.format.open_memmap(out_dir / "ids.npy", "w+", np.int32, (total,))
+    mask = np.lib.format.open_memmap(out_dir / "loss_mask.npy", "w+", np.uint8, (total,))
+    taps = np.lib.format.open_memmap(out_dir / "taps.npy", "w+", np.uint16, (total, taps_width))
+    hidden = np.lib.format.open_memmap(out_dir / "hidden.npy", "w+", np.uint16, (total, d))
+    order = sorted(range(len(records)), key=lambda i: lengths[i])  # similar lengths share a padded batch
+    for start in track(range(0, len(order), batch), description="target cache"):
+        group = order[start : start + batch]
+        width = max(lengths[i] for i in group)
+        tokens = torch.zeros(len(group), width, dtype=torch.long)
+        for row, i in enumerate(group):
+            seq = records[i]["prompt_ids"] + records[i]["response_ids"]
+            tokens[row, : len(seq)] = torch.tensor(seq)
+        out = model.forward_dense(tokens.to(model.device))  # causal: right padding never reaches real rows
+        for row, i in enumerate(group):
+            lo, n, p = int(offsets[i]), lengths[i], len(records[i]["prompt_ids"])
+            ids[lo : lo + n] = tokens[row, :n].numpy()
+            mask[lo : lo + n] = 0
+            mask[lo + p : lo + n] = 1
+            taps[lo : lo + n] = _bf16_bits(out.features[row, :n].cpu())
+            hidden[lo : lo + n] = _bf16_bits(out.hidden[row, :n].cpu())
+    for arr in (ids, mask, taps, hidden):
+        arr.flush()
+    manifest = {"version": 1, "target": target, "tap_layers": list(model.tap_layers), "hidden_size": d,
+                "sequences": len(records), "tokens": total, "response_tokens": int(sum(len(r["response_ids"])
+                                                                                      for r in records)),
+                "offsets": offsets.tolist(), "domains": [r["domain"] for r in records],
+                "ids": [r["id"] for r in records]}
+    (out_dir / "manifest.json").write_text(json.dumps(manifest) + "\n")
+    return manifest
+
+
+class TargetCache:
+    """Read side: memory-mapped arrays, one `CachedSequence` per index."""
+
+    def __init__(self, cache_dir: Path):
+        self.dir = Path(cache_dir)
+        self.manifest = json.loads((self.dir / "manifest.json").read_text())
+        self.offsets = self.manifest["offsets"]
+        self.domains = self.manifest["domains"]
+        self.tap_layers = tuple(self.manifest["tap_layers"])
+        self._ids = np.load(self.dir / "ids.npy", mmap_mode="r")
+        self._mask = np.load(self.dir / "loss_mask.npy", mmap_mode="r")
+        self._taps = np.load(self.dir / "taps.npy", mmap_mode="r")
+        self._hidden = np.load(self.dir / "hidden.npy", mmap_mode="r")
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> CachedSequence:
+        lo, hi = self.offsets[i], self.offsets[i + 1]
+        return CachedSequence(
+            ids=torch.from_numpy(self._ids[lo:hi].astype(np.int64)),
+            loss_mask=torch.from_numpy(self._mask[lo:hi].astype(bool)),
+            taps=_from_bits(self._taps[lo:hi]),
+            hidden=_from_bits(self._hidden[lo:hi]),
+            domain=self.domains[i],
+        )

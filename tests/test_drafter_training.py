@@ -1,0 +1,117 @@
+"""Drafter training: loss terms by hand, anchors and labels, the target cache, a few steps of every method."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from drafter_worker.checkpoint import load_drafter
+from drafter_worker.config import default_config
+from services.training import target_cache
+from services.training.anchors import block_labels, sample_anchors
+from services.training.drafter import DrafterTrainConfig, train
+from services.training.drafter_losses import decay_weights, dspark_loss, soft_ce_loss, step_weights
+from tests.conftest import VOCAB, make_model
+
+TAPS = (0, 1, 2)
+
+
+def test_dspark_loss_matches_hand_computation():
+    # p_d = (0.5, 0.5) then (0.9, 0.1); p_t = (0.8, 0.2) at both slots; labels 0 then 1; z = 0
+    p_d = torch.tensor([[[0.5, 0.5], [0.9, 0.1]]])
+    p_t = torch.tensor([[[0.8, 0.2], [0.8, 0.2]]])
+    weights = decay_weights(torch.ones(1, 2, dtype=torch.bool))  # 1, e^{-1/4}
+    loss, terms = dspark_loss(p_d.log(), p_t.log(), torch.tensor([[0, 1]]), weights, torch.zeros(1, 2))
+    w1 = math.exp(-0.25)
+    ce = (-math.log(0.5) - w1 * math.log(0.1)) / (1 + w1)  # 1.3978
+    l1 = (0.6 + w1 * 0.2) / (1 + w1)  # |0.5-0.8|+|0.5-0.2| = 0.6; |0.9-0.8|+|0.1-0.2| = 0.2
+    conf = math.log(2)  # BCE(σ(0) = ½, any label) = log 2
+    assert terms["ce"].item() == pytest.approx(ce, rel=1e-5)
+    assert terms["l1"].item() == pytest.approx(l1, rel=1e-5)
+    assert terms["conf"].item() == pytest.approx(conf, rel=1e-5)
+    assert loss.item() == pytest.approx(0.1 * ce + 0.9 * l1 + conf, rel=1e-5)
+    assert terms["accept"][0].tolist() == pytest.approx([0.7, 0.9])
+
+
+def test_confidence_label_is_detached_and_masked_slots_do_not_count():
+    draft = torch.randn(2, 3, 5, requires_grad=True)
+    target = torch.randn(2, 3, 5)
+    conf = torch.randn(2, 3)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    loss, _ = dspark_loss(draft, target, torch.zeros(2, 3, dtype=torch.long), decay_weights(mask), conf,
+                              mix=(0.0, 0.0, 1.0))
+    loss.backward()
+    assert torch.count_nonzero(draft.grad) == 0  # the soft label 1 − ½‖p_d − p_t‖₁ carries no gradient
+    changed = target.clone()
+    changed[0, 2] += 5.0  # a masked slot
+    again, _ = dspark_loss(draft, changed, torch.zeros(2, 3, dtype=torch.long), decay_weights(mask), conf)
+    full, _ = dspark_loss(draft, target, torch.zeros(2, 3, dtype=torch.long), decay_weights(mask), conf)
+    assert again.item() == pytest.approx(full.item())
+
+
+def test_soft_ce_and_step_weights():
+    p_t = torch.tensor([[[0.25, 0.75]]])
+    p_d = torch.tensor([[[0.5, 0.5]]])
+    loss, _ = soft_ce_loss(p_d.log(), p_t.log(), torch.ones(1, 1))
+    assert loss.item() == pytest.approx(-(0.25 * math.log(0.5) + 0.75 * math.log(0.5)), rel=1e-6)
+    assert step_weights(torch.ones(1, 3, dtype=torch.bool))[0].tolist() == pytest.approx([1.0, 0.8, 0.64])
+
+
+def test_anchors_sit_inside_responses_and_labels_follow_the_shifted_layout():
+    ids = torch.arange(100, 112)
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1], dtype=torch.bool)
+    anchors = sample_anchors(mask, 50, torch.Generator().manual_seed(0))
+    assert anchors.tolist() == [3, 4, 5, 8, 9, 10]  # p and p+1 in a response
+    labels, eval_mask = block_labels(ids, mask, torch.tensor([4, 9]), 4)
+    assert labels[0].tolist() == [105, 106, 107, 108]  # slot k → anchor + k + 1
+    assert eval_mask[0].tolist() == [True, True, False, False]  # stops at the first non-response label
+    assert eval_mask[1].tolist() == [True, True, False, False]  # and at the end of the sequence
+    assert labels[1].tolist()[:2] == [110, 111]
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cache")
+    target = make_model(layers=3, taps=TAPS)
+    g = torch.Generator().manual_seed(3)
+    records = [{"domain": "code" if i % 2 else "chat", "id": f"s{i}",
+                "prompt_ids": torch.randint(1, VOCAB, (5 + i,), generator=g).tolist(),
+                "response_ids": torch.randint(1, VOCAB, (20 + 3 * i,), generator=g).tolist()} for i in range(6)]
+    train_dir, val_dir = root / "train", root / "val"
+    target_cache.build(target, records, train_dir, target="tiny", batch=4)
+    target_cache.build(target, records[:3], val_dir, target="tiny", batch=2)
+    return target, records, target_cache.TargetCache(train_dir), target_cache.TargetCache(val_dir), root
+
+
+def test_target_cache_round_trip(caches):
+    target, records, cache, _, _ = caches
+    seq = cache[2]
+    r = records[2]
+    assert seq.ids.tolist() == r["prompt_ids"] + r["response_ids"]
+    assert seq.loss_mask.tolist() == [False] * len(r["prompt_ids"]) + [True] * len(r["response_ids"])
+    out = target.forward_dense(seq.ids[None])
+    assert torch.allclose(seq.taps, out.features[0], atol=0.05)  # stored in bf16
+    assert torch.allclose(seq.hidden, out.hidden[0], atol=0.05)
+    assert cache.tap_layers == TAPS and len(cache) == 6
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3", "dflash", "dspark"])
+def test_a_few_training_steps_of_every_method(caches, method):
+    target, _, cache, val, root = caches
+    dcfg = default_config(method, "tiny", TAPS, VOCAB - 1)
+    run_dir, out = root / f"run-{method}", root / f"out-{method}"
+    cfg = DrafterTrainConfig(run_dir=run_dir, out_dir=out, steps=2, batch_sequences=2, anchors_per_sequence=4,
+                             eval_every=2, checkpoint_every=1)
+    train(dcfg, target, cache, val, cfg, log=lambda _: None)
+    resumed = DrafterTrainConfig(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, "steps": 3})
+    train(dcfg, target, cache, val, resumed, log=lambda _: None)
+    log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3]  # the second run resumed at step 2
+    assert all(math.isfinite(r["loss"]) for r in log)
+    assert len(log[-1]["val"]["accept@k"]) == dcfg.block_size
+    model, calibration = load_drafter(out, target, "float32")
+    assert model.dconfig == dcfg and calibration is None
+    assert torch.equal(model.lm_head.weight, target.lm_head.weight)  # shared, not stored
