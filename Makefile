@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODEL ?= dspark-target
 PROMPT ?= def fibonacci(n):
 
-.PHONY: install serve test lint bench data data-deps clean
+.PHONY: install serve test lint bench data data-deps drafters acceptance clean
 
 $(BIN)/dspark: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,10 +16,11 @@ $(BIN)/dspark: pyproject.toml
 
 install: $(BIN)/dspark
 
-# Main job (for now): speculative generation with the n-gram drafter on the shipped target, then the same
-# prompt without speculation; greedy outputs are identical, τ and tokens/s differ.
+# Main job (for now): speculative generation with the shipped DSpark drafter on the shipped target, then the
+# same prompt without speculation; greedy outputs are identical, τ and tokens/s differ.
 serve: $(BIN)/dspark
-	$(BIN)/dspark generate --model $(MODEL) --method ngram --gamma 4 --max-tokens 96 --prompt '$(PROMPT)'
+	$(BIN)/dspark generate --model $(MODEL) --drafter $(MODEL)-dspark --method dspark --gamma 7 --max-tokens 96 \
+		--prompt '$(PROMPT)'
 	$(BIN)/dspark generate --model $(MODEL) --method none --max-tokens 96 --prompt '$(PROMPT)'
 
 test: data-deps $(BIN)/dspark
@@ -38,6 +39,23 @@ data-deps:
 
 data: data-deps $(BIN)/dspark
 	$(BIN)/dspark data build
+
+# The shipped drafters: target rollouts + feature cache (build/drafters/), then each method's training run,
+# then STS calibration of DSpark's confidences at T = 1. About 80 min on 2 CPU cores.
+drafters: data
+	$(BIN)/dspark data target-cache
+	OMP_NUM_THREADS=1 $(BIN)/dspark train drafter --method dspark --steps 600 & \
+	OMP_NUM_THREADS=1 $(BIN)/dspark train drafter --method dflash --steps 600 & wait
+	$(BIN)/dspark train drafter --method mtp --steps 600
+	$(BIN)/dspark train drafter --method eagle3 --steps 250 --anchors 48
+	$(BIN)/dspark calibrate --drafter $(MODEL)-dspark --temperature 1
+
+# docs/results/acceptance.md: τ, per-position acceptance and calibration of every shipped drafter.
+acceptance: $(BIN)/dspark
+	$(BIN)/dspark eval --drafter all --gamma 4,7,16 --temperature 0,1 --batch 16 --out-dir build/eval/table \
+		--markdown docs/results/acceptance-table.md
+	$(BIN)/dspark eval --drafter all --gamma 7 --temperature 1 --batch 1,16 --out-dir build/eval/headline \
+		--markdown docs/results/acceptance-headline.md
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache

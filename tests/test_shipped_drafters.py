@@ -1,0 +1,57 @@
+"""The shipped drafters: listed, loadable, lossless on the shipped target, and evaluated by `dspark eval`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from router.cli import main
+from services.registry import MODELS_DIR, list_models
+from tests.test_shipped_model import TARGET, _first_prompts
+
+DRAFTERS = {"mtp": f"{TARGET}-mtp", "eagle3": f"{TARGET}-eagle3", "dflash": f"{TARGET}-dflash",
+            "dspark": f"{TARGET}-dspark"}
+
+
+def test_drafters_are_listed_and_models_fit_the_budget():
+    entries = {e.name: e for e in list_models()}
+    for name in DRAFTERS.values():
+        assert entries[name].kind == "drafter" and entries[name].target == TARGET
+    total = sum(p.stat().st_size for p in MODELS_DIR.rglob("*") if p.is_file())
+    assert total <= 150 * 2**20
+    assert (MODELS_DIR / DRAFTERS["dspark"] / "calibration.json").is_file()
+
+
+@pytest.mark.parametrize("method", list(DRAFTERS))
+def test_greedy_with_each_shipped_drafter_equals_plain(tmp_path, capsys, method):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in _first_prompts(1)))
+    base = ["generate", "--model", TARGET, "--prompts", str(prompts), "--max-tokens", "24", "--dtype", "float32",
+            "--json", "--max-batch", "3"]
+    assert main([*base, "--method", "none"]) == 0
+    plain = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    gamma = "1" if method == "mtp" else "7"
+    assert main([*base, "--method", method, "--drafter", DRAFTERS[method], "--gamma", gamma]) == 0
+    spec = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
+    assert sum(r["num_accepted_tokens"] for r in spec) > 0  # the trained drafter really gets drafts accepted
+
+
+def test_generate_refuses_a_drafter_of_another_method(capsys):
+    assert main(["generate", "--model", TARGET, "--prompt", "x", "--method", "dflash",
+                 "--drafter", DRAFTERS["dspark"]]) == 2
+    assert "is a dspark drafter" in capsys.readouterr().err
+
+
+def test_eval_reports_tau_acceptance_and_calibration(tmp_path, capsys):
+    args = ["eval", "--drafter", DRAFTERS["dspark"], "--datasets", "math", "--prompts", "2", "--batch", "2",
+            "--max-tokens", "16", "--gamma", "4", "--out-dir", str(tmp_path), "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    run = report["drafters"][DRAFTERS["dspark"]][0]
+    math_run = run["datasets"]["math"]["batch2"]
+    assert math_run["tau"] > 1.0 and len(math_run["accept_rate_at_k"]) == 4
+    assert {"raw", "calibrated"} <= set(run["confidence"])
+    assert (tmp_path / "eval.md").read_text().startswith("| drafter |")
+    assert (tmp_path / "reliability-dspark-target-dspark-g4-t1.png").stat().st_size > 0
