@@ -20,6 +20,8 @@ def add_cache_parser(data_sub) -> None:
     p.add_argument("--prompts-per-domain", type=int, default=1200)
     p.add_argument("--val-per-domain", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8, help="the target's sampling temperature for rollouts")
+    p.add_argument("--top-p", type=float, default=0.95)
 
 
 def add_train_parser(train_sub) -> None:
@@ -52,7 +54,8 @@ def run_target_cache(args: argparse.Namespace) -> int:
     from services.training.drafter_data import prepare
     from services.training.rollouts import RolloutConfig
 
-    cfg = RolloutConfig(prompts_per_domain=args.prompts_per_domain, max_new_tokens=args.max_new_tokens)
+    cfg = RolloutConfig(prompts_per_domain=args.prompts_per_domain, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, top_p=args.top_p)
     caches = prepare(args.target, _cache_dir(args), args.data_dir, cfg, val_per_domain=args.val_per_domain)
     _log()(f"target caches: {', '.join(str(c) for c in caches.values())}")
     return 0
