@@ -50,12 +50,13 @@ drafters: data
 	$(BIN)/dspark train drafter --method eagle3 --steps 250 --anchors 48
 	$(BIN)/dspark calibrate --drafter $(MODEL)-dspark --temperature 1
 
-# docs/results/acceptance.md: τ, per-position acceptance and calibration of every shipped drafter.
+# docs/results/acceptance.md: τ, per-position acceptance and calibration of every shipped drafter at γ 4, 7, 16
+# and T 0, 1; acceptance-batch1.md: the headline setting (γ = 7, T = 1) at batch 1 as DeepSpec runs it.
 acceptance: $(BIN)/dspark
 	$(BIN)/dspark eval --drafter all --gamma 4,7,16 --temperature 0,1 --batch 16 --out-dir build/eval/table \
-		--markdown docs/results/acceptance-table.md
+		--markdown docs/results/acceptance.md
 	$(BIN)/dspark eval --drafter all --gamma 7 --temperature 1 --batch 1,16 --out-dir build/eval/headline \
-		--markdown docs/results/acceptance-headline.md
+		--markdown docs/results/acceptance-batch1.md
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache

@@ -157,7 +157,7 @@ def run_eval(args: argparse.Namespace) -> int:
     import sys
 
     from drafter_worker.drafter import Drafter
-    from router.eval_report import EvalSpec, evaluate_drafter, markdown, read_prompts
+    from router.eval_report import EvalSpec, command_line, evaluate_drafter, markdown, read_prompts
     from services.registry import list_models, resolve_model
     from services.tokenizer import TextTokenizer
 
@@ -170,7 +170,8 @@ def run_eval(args: argparse.Namespace) -> int:
     tok = TextTokenizer.from_dir(resolve_model(args.target))
     prompt_ids = {d: read_prompts(args.datasets_dir, d, spec.prompts, tok) for d in spec.datasets}
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"target": args.target, "datasets": list(spec.datasets), "prompts": spec.prompts,
+    report = {"command": command_line(sys.argv[1:]), "target": args.target, "datasets": list(spec.datasets),
+              "prompts": spec.prompts,
               "max_tokens": spec.max_tokens, "drafters": {}}
     log = _log()
     for name in names:

@@ -90,7 +90,11 @@ def evaluate_drafter(target, drafter: Drafter, calibration: Calibration | None, 
 
 def markdown(report: dict) -> str:
     """Tables: τ per domain for every (drafter, γ, T, batch); per-position acceptance; calibration."""
-    lines = ["| drafter | γ | T | batch | " + " | ".join(report["datasets"]) + " | mean τ |",
+    lines = [f"# Drafter acceptance on {report['target']}", "",
+             f"`{report.get('command', 'dspark eval')}`: {report['prompts']} prompts per dataset "
+             f"(`benchmarks/datasets/`), at most {report['max_tokens']} new tokens, the full block verified every "
+             "cycle (no scheduler). τ counts the bonus / recovered token.", "",
+             "| drafter | γ | T | batch | " + " | ".join(report["datasets"]) + " | mean τ |",
              "|---|---|---|---|" + "---|" * (len(report["datasets"]) + 1)]
     for name, runs in report["drafters"].items():
         for r in runs:
@@ -116,6 +120,10 @@ def markdown(report: dict) -> str:
     if conf_lines:
         lines += ["", "Confidence of a_k (ECE / AUROC per position, all domains pooled):", "", *conf_lines]
     return "\n".join(lines) + "\n"
+
+
+def command_line(argv: list[str]) -> str:
+    return "dspark " + " ".join(argv)
 
 
 def _pooled(run: dict, batch: str, key: str) -> list[float]:
