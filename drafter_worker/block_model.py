@@ -10,22 +10,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from drafter_worker.base import DraftModelBase
 from drafter_worker.config import DrafterConfig
 from drafter_worker.heads import ConfidenceHead, SequentialHead
 from drafter_worker.layers import BlockLayer, ContextProjection
 from services.layers import RMSNorm
 from services.model_config import ModelConfig
-from services.rope import RotaryTable
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v) [B, Hkv, S, Dh]
 
 
-class BlockDraftModel(nn.Module):
+class BlockDraftModel(DraftModelBase):
     def __init__(self, dcfg: DrafterConfig, cfg: ModelConfig):
-        super().__init__()
-        self.dconfig, self.config = dcfg, cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # the target's, frozen
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # the target's, frozen
+        super().__init__(dcfg, cfg)
         self.context = ContextProjection(cfg, len(dcfg.tap_layers))
         self.layers = nn.ModuleList(BlockLayer(cfg) for _ in range(dcfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -33,13 +30,6 @@ class BlockDraftModel(nn.Module):
         if dcfg.head is not None:
             self.seq_head = SequentialHead(dcfg.head, cfg.vocab_size, cfg.hidden_size, dcfg.markov_rank)
         self.confidence = ConfidenceHead(cfg.hidden_size, dcfg.markov_rank) if dcfg.confidence_head else None
-        self._rotary: RotaryTable | None = None
-
-    def rotary(self) -> RotaryTable:
-        device = self.lm_head.weight.device
-        if self._rotary is None or self._rotary.cos.device != device:
-            self._rotary = RotaryTable(self.config.rope, self.config.head_dim, self.config.max_context, device)
-        return self._rotary
 
     def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> ContextKV:
         """Target features taps [B, S, T*d] at positions [B, S] → each layer's context (k, v) [B, Hkv, S, Dh]."""

@@ -12,31 +12,20 @@ step-0 keys of rows ≤ j−t (the context) and the step-s key of row j−t+s fo
 from __future__ import annotations
 
 import torch
-from torch import nn
 
+from drafter_worker.base import DraftModelBase
 from drafter_worker.config import DrafterConfig, Method
 from drafter_worker.layers import ChainLayer, ContextProjection
 from services.layers import RMSNorm
 from services.model_config import ModelConfig
-from services.rope import RotaryTable
 
 
-class ChainDraftModel(nn.Module):
+class ChainDraftModel(DraftModelBase):
     def __init__(self, dcfg: DrafterConfig, cfg: ModelConfig):
-        super().__init__()
-        self.dconfig, self.config = dcfg, cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # the target's, frozen
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # the target's, frozen
+        super().__init__(dcfg, cfg)
         self.context = ContextProjection(cfg, len(dcfg.tap_layers), norm=False)
         self.layer = ChainLayer(cfg, mtp=dcfg.method is Method.MTP)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self._rotary: RotaryTable | None = None
-
-    def rotary(self) -> RotaryTable:
-        device = self.lm_head.weight.device
-        if self._rotary is None or self._rotary.cos.device != device:
-            self._rotary = RotaryTable(self.config.rope, self.config.head_dim, self.config.max_context, device)
-        return self._rotary
 
     def project(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor):
         """Rows (hidden [..., n, d], token_{j+1} [..., n]) at positions [..., n] → residual [..., n, d],

@@ -23,6 +23,7 @@ from services.model import CausalLM
 from services.training.anchors import block_labels, sample_anchors
 from services.training.drafter_losses import decay_weights, dflash_loss, dspark_loss, soft_ce_loss, step_weights
 from services.training.schedule import warmup_cosine
+from services.training.state import resume_state, save_state
 from services.training.target_cache import TargetCache
 
 
@@ -106,7 +107,7 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
     model = build_draft_model(dcfg, target).float().train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    step, elapsed = _resume(cfg, model, opt)
+    step, elapsed = resume_state(cfg.run_dir, model, opt)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     warmup = max(1, int(cfg.warmup_ratio * cfg.steps))
     log(f"{dcfg.method}: {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, {cfg.steps} steps of "
@@ -136,7 +137,7 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
                 f.write(json.dumps(record) + "\n")
             bar.update(task, completed=step, info=f"loss {record['loss']:.3f}")
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                _save_state(cfg, model, opt, step, elapsed)
+                save_state(cfg.run_dir, model, opt, step, elapsed, {k: str(v) for k, v in asdict(cfg).items()})
     out = save_drafter(model, cfg.out_dir)
     (out / "training_log.jsonl").write_text((cfg.run_dir / "log.jsonl").read_text())
     return out
@@ -160,20 +161,3 @@ def evaluate(model: DraftModel, val: TargetCache, cfg: DrafterTrainConfig) -> di
     num = sum(a for a, _ in accepts)
     den = sum(m for _, m in accepts).clamp_min(1)
     return {"loss": round(sum(losses) / len(losses), 4), "accept@k": [round(x, 4) for x in (num / den).tolist()]}
-
-
-def _save_state(cfg: DrafterTrainConfig, model, opt, step: int, elapsed: float) -> None:
-    tmp = cfg.run_dir / "state.pt.tmp"
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "elapsed_s": elapsed,
-                "config": {k: str(v) for k, v in asdict(cfg).items()}}, tmp)
-    tmp.replace(cfg.run_dir / "state.pt")
-
-
-def _resume(cfg: DrafterTrainConfig, model, opt) -> tuple[int, float]:
-    path = cfg.run_dir / "state.pt"
-    if not path.is_file():
-        return 0, 0.0
-    state = torch.load(path, weights_only=True)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    return int(state["step"]), float(state["elapsed_s"])

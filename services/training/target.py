@@ -25,6 +25,7 @@ from services.model import CausalLM
 from services.model_config import ModelConfig, RopeConfig
 from services.training.batches import WindowSampler, eval_windows, load_tokens
 from services.training.schedule import warmup_cosine
+from services.training.state import resume_state, save_state
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +113,7 @@ def train(cfg: TargetTrainConfig, log=print) -> Path:
     val = load_tokens(cfg.data_dir, "val")
     evals = {d: eval_windows(val[d], cfg.seq_len, cfg.eval_tokens) for d in DOMAINS}
     autocast = native_bf16(torch.device("cpu"))
-    step, elapsed = _resume(cfg, model, opt)
+    step, elapsed = resume_state(cfg.run_dir, model, opt)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     log_path = cfg.run_dir / "log.jsonl"
     params = sum(p.numel() for p in model.parameters())
@@ -141,25 +142,9 @@ def train(cfg: TargetTrainConfig, log=print) -> Path:
             tok_s = record["tokens"] / max(elapsed, 1e-9)
             bar.update(task, completed=step, info=f"loss {record['loss']:.3f} {tok_s:.0f} tok/s")
             if step % cfg.checkpoint_every == 0 or step == cfg.total_steps:
-                _save_state(cfg, model, opt, step, elapsed)
+                save_state(cfg.run_dir, model, opt, step, elapsed, {k: str(v) for k, v in asdict(cfg).items()})
     return export(cfg, model)
 
-
-def _save_state(cfg, model, opt, step: int, elapsed: float) -> None:
-    tmp = cfg.run_dir / "state.pt.tmp"
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "elapsed_s": elapsed,
-                "config": {k: str(v) for k, v in asdict(cfg).items()}}, tmp)
-    tmp.replace(cfg.run_dir / "state.pt")  # atomic: a kill mid-save leaves the previous state
-
-
-def _resume(cfg, model, opt) -> tuple[int, float]:
-    path = cfg.run_dir / "state.pt"
-    if not path.is_file():
-        return 0, 0.0
-    state = torch.load(path, weights_only=True)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    return int(state["step"]), float(state["elapsed_s"])
 
 
 def export(cfg: TargetTrainConfig, model: CausalLM) -> Path:
