@@ -172,6 +172,9 @@ class Drafter(StatelessProposer):
 
     def _sample(self, logits: torch.Tensor, sampling: list[SamplingParams]):
         """logits [R, V] fp32 → next tokens [R] and per request (token, q ids [K], q probs [K]) or token only."""
+        if all(p.greedy for p in sampling):  # the argmax is all a greedy block needs: no sort, no q
+            tokens = logits.argmax(-1)
+            return tokens, [(int(t), None) for t in tokens]
         temps = torch.tensor([p.temperature for p in sampling], device=logits.device)
         top_k = torch.tensor([p.top_k for p in sampling], device=logits.device)
         top_p = torch.tensor([p.top_p for p in sampling], device=logits.device)
