@@ -10,6 +10,7 @@ label of a_k = Π_{i≤k} c_i is "drafts 1..k all accepted".
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -84,8 +85,6 @@ def _sum_lists(rows: list[list[int]], width: int) -> list[int]:
 def run(target, drafter: Drafter | None, prompts: list[list[int]], gamma: int, params: SamplingParams,
         stop_ids: tuple[int, ...], batch: int, max_len: int = 1024) -> EvalRun:
     """Generate every prompt with the full block verified each cycle (no scheduler), `batch` at a time."""
-    import time
-
     engine = Engine(target, EngineConfig(num_slots=batch, max_len=max_len))
     log = CycleLog()
     policy = Policy.FIXED if drafter is not None else Policy.NONE
