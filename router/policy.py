@@ -1,24 +1,31 @@
 """Verify-length policies: how many of a block's drafts (ℓ) go to the verifier this cycle.
 
-Every policy here is non-anticipating: ℓ may depend on the block's length, the request's
-remaining token budget and (later) confidences of earlier positions, never on the draft tokens
-themselves. That is what keeps speculative output distributed exactly as the target's.
+Every policy here is non-anticipating: ℓ may depend on the block's length, the request's remaining
+token budget and the confidences c_1..c_k (c_k is computed from x_{k−1}, before x_k is drawn), never
+on the draft tokens themselves. That is what keeps speculative output distributed exactly as the
+target's.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
 
+from services.types import DraftBlock
+
 
 class Policy(StrEnum):
     NONE = "none"  # ℓ = 0: plain decoding, no drafter consulted
     FIXED = "fixed"  # ℓ = γ (or the block's length when shorter)
+    MTP1 = "mtp1"  # ℓ = 1: the production MTP-1 baseline
+    THRESHOLD = "threshold"  # ℓ = the longest prefix whose survival a_k = Π c_i stays ≥ λ
 
 
 def max_verify_len(policy: Policy, gamma: int, remaining_tokens: int) -> int:
     """Upper bound on ℓ before drafting: a cycle emits at most ℓ + 1 tokens, so never draft past the budget."""
     if policy is Policy.NONE:
         return 0
+    if policy is Policy.MTP1:
+        gamma = 1
     return max(0, min(gamma, remaining_tokens - 1))
 
 
@@ -27,3 +34,19 @@ def verify_len(policy: Policy, block_len: int, bound: int) -> int:
     if policy is Policy.NONE:
         return 0
     return min(block_len, bound)
+
+
+def choose_verify_len(policy: Policy, block: DraftBlock, bound: int, threshold: float) -> int:
+    """ℓ for a drafted block; THRESHOLD stops at the first position whose prefix survival drops below λ.
+
+    A block without confidences (a drafter without a confidence head) is verified in full under THRESHOLD.
+    """
+    length = verify_len(policy, len(block), bound)
+    if policy is not Policy.THRESHOLD or block.confidences is None:
+        return length
+    survival = 1.0
+    for k in range(length):
+        survival *= block.confidences[k]  # a_{k+1}: depends on x_1..x_k only, not on x_{k+1}
+        if survival < threshold:
+            return k
+    return length

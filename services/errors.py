@@ -15,3 +15,11 @@ class InvalidRequestError(DsparkError):
 
 class CapacityError(DsparkError):
     """The request is valid but does not fit now (no KV slot, queue full); the client may retry."""
+
+
+class StaleCycleError(DsparkError):
+    """A session message for an unknown request, or whose cycle is not the one the tier expects."""
+
+
+class TierUnavailableError(DsparkError):
+    """A drafter or verifier could not be reached or went away mid-call; the router recovers."""

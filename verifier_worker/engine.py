@@ -44,6 +44,7 @@ class _Request:
     prompt_len: int
     generator: torch.Generator | None
     prefilled: int = 0  # prompt positions in the cache
+    resumed: bool = False  # re-prefilled from committed tokens: the anchor is given, nothing is sampled
     pending: DraftBlock | None = None  # the cycle submitted for the next step (may be empty)
 
     @property
@@ -80,16 +81,22 @@ class Engine:
     def max_len(self) -> int:
         return self.cache.max_len
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Admit a request; it prefills when a slot is free. Refuses bad input and a full queue."""
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    resume_ids: list[int] | tuple[int, ...] = ()) -> None:
+        """Admit a request; it prefills when a slot is free. Refuses bad input and a full queue.
+
+        `resume_ids` are tokens already emitted elsewhere (a lost verifier): the prefill covers the prompt
+        and all of them but the last, which becomes the anchor; `params.max_tokens` counts what is left.
+        """
         if request_id in self._running or any(r.request_id == request_id for r in self._waiting):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty")
-        self._check_vocab(prompt_ids, "prompt")
-        if len(prompt_ids) + params.max_tokens > self.max_len:
+        tokens = [*prompt_ids, *resume_ids]
+        self._check_vocab(tokens, "prompt")
+        if len(tokens) + params.max_tokens > self.max_len:
             raise InvalidRequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"context limit of {self.max_len} tokens"
             )
         if len(self._waiting) >= self.config.max_waiting:
@@ -97,7 +104,8 @@ class Engine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
-        self._waiting.append(_Request(request_id, params, list(prompt_ids), len(prompt_ids), generator))
+        prefill_len = len(tokens) - 1 if resume_ids else len(tokens)
+        self._waiting.append(_Request(request_id, params, tokens, prefill_len, generator, resumed=bool(resume_ids)))
 
     def submit(self, request_id: str, draft: DraftBlock | None = None) -> int:
         """Queue one cycle for the next step → the verify length ℓ actually used.
@@ -206,7 +214,8 @@ class Engine:
         if it.draft is not None:
             return range(len(it.new_tokens))  # p_1..p_{ℓ+1}
         last_chunk = it.start + len(it.new_tokens) == it.request.prompt_len
-        return range(len(it.new_tokens) - 1, len(it.new_tokens)) if last_chunk else range(0)
+        wanted = last_chunk and not it.request.resumed
+        return range(len(it.new_tokens) - 1, len(it.new_tokens)) if wanted else range(0)
 
     def _update(self, items: list[_Item], logits: torch.Tensor, features: torch.Tensor | None) -> list[StepOutput]:
         probs = self._target_probs(items, logits)  # [M, V]
@@ -242,6 +251,8 @@ class Engine:
             token = argmax[r] if req.params.greedy else int(sample(probs[r : r + 1], req.generator)[0])
             req.tokens.append(token)
             out.emitted, out.kind = [token], OutcomeKind.FIRST
+        elif req.resumed and not req.in_prefill:
+            out.kind = OutcomeKind.FIRST  # ready to verify from the given anchor; nothing new emitted
         return out
 
     def _finish_verify(self, it: _Item, probs, argmax, feats) -> StepOutput:

@@ -1,0 +1,82 @@
+"""gRPC shell of the drafter tier: `dspark.v1.Drafter` over a `DrafterService` (DESIGN §4, §7).
+
+One Draft stream per request. The stream ending because the client cancelled or finished frees the
+request's draft context; a rejected message (stale cycle, inconsistent delta) ends the stream with its
+status and keeps the context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from opentelemetry import trace
+
+from drafter_worker.service import DrafterService
+from protos import codec
+from protos.dspark.v1 import dspark_pb2 as pb
+from protos.dspark.v1 import dspark_pb2_grpc as rpc
+from protos.status import abort_with, status_of
+from services.tracing import context_from
+
+
+class DrafterServicer(rpc.DrafterServicer):
+    def __init__(self, service: DrafterService, tracer: trace.Tracer | None = None):
+        self.service = service
+        self.tracer = tracer or trace.NoOpTracer()
+        self.streams = 0
+
+    async def Open(self, request: pb.OpenRequest, context: grpc.aio.ServicerContext) -> pb.OpenReply:
+        with self.tracer.start_as_current_span("drafter.open", context=context_from(request.traceparent),
+                                               attributes={"dspark.request_id": request.request_id}):
+            try:
+                features = codec.tensor_from_pb(request.features)
+                params = codec.params_from_pb(request.params)
+                n = await self.service.open(request.request_id, list(request.context_ids), features, params,
+                                            request.cycle, request.method)
+            except Exception as error:
+                await abort_with(context, error)
+            method = request.method or self.service.default_method
+            return pb.OpenReply(context_length=n, method=method, block_size=self.service.block_sizes.get(method, 0))
+
+    async def Draft(self, request_iterator, context: grpc.aio.ServicerContext):
+        attached: str | None = None
+        release = True
+        self.streams += 1
+        try:
+            async for msg in request_iterator:
+                attached = attached or msg.request_id
+                if msg.request_id != attached:
+                    release = False
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "one request per Draft stream")
+                reply, error = await self._draft_one(msg)
+                if error is not None:
+                    release = False
+                    await abort_with(context, error)
+                yield reply
+        finally:
+            self.streams -= 1
+            if attached is not None and release:
+                await asyncio.shield(self.service.release(attached))
+
+    async def _draft_one(self, msg: pb.DraftRequest) -> tuple[pb.DraftReply | None, Exception | None]:
+        with self.tracer.start_as_current_span("drafter.draft", context=context_from(msg.traceparent)) as span:
+            try:
+                features = codec.tensor_from_pb(msg.features)
+                block = await self.service.draft(msg.request_id, msg.cycle, list(msg.new_ids), msg.feature_start,
+                                                 features, msg.gamma)
+            except Exception as error:
+                if status_of(error) is None:
+                    raise
+                return None, error
+            span.set_attributes({"dspark.request_id": msg.request_id, "dspark.cycle": msg.cycle,
+                                 "dspark.gamma": msg.gamma, "dspark.drafted": len(block)})
+            return pb.DraftReply(request_id=msg.request_id, cycle=msg.cycle, block=codec.block_to_pb(block)), None
+
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseReply:
+        return pb.ReleaseReply(released=await self.service.release(request.request_id))
+
+    async def Load(self, request: pb.LoadRequest, context) -> pb.DrafterLoadReply:
+        load = self.service.load()
+        return pb.DrafterLoadReply(contexts=load.contexts, streams=self.streams, queued=load.queued,
+                                   step_ms_ema=load.step_ms_ema, steps=load.steps)

@@ -1,0 +1,187 @@
+"""The drafter tier's async core: draft sessions of many requests, batched proposes (no gRPC, no Ray).
+
+A replica hosts one or more proposers (one per method). `open` binds a request to a method and loads
+its committed tokens and features; each `draft` applies the delta since the last message (new tokens,
+new features) and queues the request; one loop task drafts every queued request of a method in one
+batched `propose`, in a worker thread, under `_lock` (which also guards every context change).
+
+Cycles: `draft` must carry a cycle greater than the last one applied (the router may verify cycles
+without drafting, e.g. while the drafter was unreachable); anything else is stale and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from drafter_worker.proposer import Proposer
+from services.errors import InvalidRequestError, StaleCycleError, TierUnavailableError
+from services.types import DraftBlock, SamplingParams
+
+
+@dataclass(slots=True)
+class DrafterLoad:
+    contexts: int
+    queued: int
+    step_ms_ema: float
+    steps: int
+
+
+@dataclass(slots=True)
+class _Session:
+    method: str
+    tokens: list[int]  # committed tokens; the last is the anchor
+    params: SamplingParams
+    cycle: int
+    features: int  # positions with features: always len(tokens) − 1 between messages
+
+
+@dataclass(slots=True)
+class _Queued:
+    request_id: str
+    gamma: int
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class DrafterService:
+    def __init__(self, proposers: dict[str, Proposer], block_sizes: dict[str, int], ema: float = 0.1):
+        if not proposers:
+            raise ValueError("a drafter replica needs at least one proposer")
+        self.proposers, self.block_sizes, self._ema = proposers, block_sizes, ema
+        self.default_method = next(iter(proposers))
+        self._sessions: dict[str, _Session] = {}
+        self._queue: list[_Queued] = []
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.steps, self.step_ms_ema, self.stopping = 0, 0.0, False
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        self.stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for item in self._queue:
+            if not item.done.done():
+                item.done.set_exception(TierUnavailableError("drafter is stopping"))
+
+    # ---- session calls ------------------------------------------------------------------------
+    async def open(self, request_id: str, context_ids: list[int], features: torch.Tensor | None,
+                   params: SamplingParams, cycle: int = 0, method: str = "") -> int:
+        """(Re)open a request's context → positions with features. Replaces any earlier context."""
+        self._check_open()
+        method = method or self.default_method
+        if method not in self.proposers:
+            raise InvalidRequestError(f"method {method!r} not hosted here (hosted: {', '.join(self.proposers)})")
+        if not context_ids:
+            raise InvalidRequestError("context is empty")
+        rows = 0 if features is None else len(features)
+        if rows != len(context_ids) - 1:
+            raise InvalidRequestError(f"{len(context_ids)} context tokens need {len(context_ids) - 1} feature rows, "
+                                      f"got {rows}")
+        async with self._lock:
+            self._forget(request_id)
+            proposer = self.proposers[method]
+            proposer.commit(request_id, 0, features)
+            self._sessions[request_id] = _Session(method, list(context_ids), params, cycle, rows)
+        return rows
+
+    async def draft(self, request_id: str, cycle: int, new_ids: list[int], feature_start: int,
+                    features: torch.Tensor | None, gamma: int) -> DraftBlock:
+        self._check_open()
+        async with self._lock:
+            session = self._sessions.get(request_id)
+            if session is None:
+                raise StaleCycleError(f"request {request_id!r} has no draft context")
+            if cycle <= session.cycle:
+                raise StaleCycleError(f"request {request_id!r}: cycle {cycle} is stale (last {session.cycle})")
+            self._check_delta(session, new_ids, feature_start, features)
+            self.proposers[session.method].commit(request_id, feature_start, features)
+            session.tokens.extend(new_ids)
+            session.features += 0 if features is None else len(features)
+            session.cycle = cycle
+            if gamma <= 0:
+                return DraftBlock(tokens=[])
+            item = _Queued(request_id, gamma)
+            self._queue.append(item)
+        self._wake.set()
+        return await item.done
+
+    async def release(self, request_id: str) -> bool:
+        async with self._lock:
+            return self._forget(request_id)
+
+    def load(self) -> DrafterLoad:
+        return DrafterLoad(len(self._sessions), len(self._queue), self.step_ms_ema, self.steps)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._sessions
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.stopping:
+            raise TierUnavailableError("drafter is stopping")
+
+    @staticmethod
+    def _check_delta(session: _Session, new_ids, feature_start, features) -> None:
+        rows = 0 if features is None else len(features)
+        if rows and feature_start != session.features:
+            raise InvalidRequestError(f"features start at {feature_start}, the context has {session.features}")
+        if session.features + rows != len(session.tokens) + len(new_ids) - 1:
+            raise InvalidRequestError(f"after this delta {len(session.tokens) + len(new_ids)} tokens would have "
+                                      f"{session.features + rows} feature rows; every position before the anchor "
+                                      "needs one")
+
+    def _forget(self, request_id: str) -> bool:
+        session = self._sessions.pop(request_id, None)
+        if session is not None:
+            self.proposers[session.method].release(request_id)
+        for item in [q for q in self._queue if q.request_id == request_id]:
+            self._queue.remove(item)
+            item.done.cancel()
+        return session is not None
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            async with self._lock:
+                batch, self._queue = self._queue, []
+                if not batch:
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    blocks = await asyncio.to_thread(self._propose_all, batch)
+                except Exception as error:
+                    for item in batch:
+                        if not item.done.done():
+                            item.done.set_exception(error)
+                    continue
+                self._record((time.perf_counter() - t0) * 1000)
+            for item in batch:
+                if not item.done.done():
+                    item.done.set_result(blocks.get(item.request_id, DraftBlock(tokens=[])))
+
+    def _propose_all(self, batch: list[_Queued]) -> dict[str, DraftBlock]:
+        """One batched propose per (method, γ) group of the queued requests."""
+        groups: dict[tuple[str, int], list[str]] = {}
+        for item in batch:
+            groups.setdefault((self._sessions[item.request_id].method, item.gamma), []).append(item.request_id)
+        blocks = {}
+        for (method, gamma), rids in groups.items():
+            contexts = {rid: self._sessions[rid].tokens for rid in rids}
+            params = {rid: self._sessions[rid].params for rid in rids}
+            blocks.update(self.proposers[method].propose(contexts, gamma, params))
+        return blocks
+
+    def _record(self, ms: float) -> None:
+        self.steps += 1
+        self.step_ms_ema = ms if self.steps == 1 else (1 - self._ema) * self.step_ms_ema + self._ema * ms

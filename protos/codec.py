@@ -1,0 +1,106 @@
+"""Typed contracts (services.types) ↔ `dspark.v1` messages. The only place that knows both."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from protos.dspark.v1 import dspark_pb2 as pb
+from services.errors import InvalidRequestError
+from services.types import DraftBlock, OutcomeKind, SamplingParams, StepOutput
+
+_DTYPES = {pb.DTYPE_FLOAT32: torch.float32, pb.DTYPE_BFLOAT16: torch.bfloat16, pb.DTYPE_FLOAT16: torch.float16}
+_WIRE = {v: k for k, v in _DTYPES.items()}
+_OUTCOMES = {OutcomeKind.BONUS: pb.OUTCOME_BONUS, OutcomeKind.RECOVERED: pb.OUTCOME_RECOVERED,
+             OutcomeKind.FIRST: pb.OUTCOME_FIRST}
+_KINDS = {v: k for k, v in _OUTCOMES.items()}
+
+
+def wire_dtype(value: int) -> torch.dtype:
+    """A DType field → torch dtype; UNSPECIFIED means bf16 (the default for features)."""
+    if value == pb.DTYPE_UNSPECIFIED:
+        return torch.bfloat16
+    if value not in _DTYPES:
+        raise InvalidRequestError(f"unknown dtype {value}")
+    return _DTYPES[value]
+
+
+def dtype_field(dtype: torch.dtype) -> int:
+    return _WIRE[dtype]
+
+
+def tensor_to_pb(x: torch.Tensor | None, dtype: torch.dtype | None = None) -> pb.Tensor:
+    """Pack a tensor as little-endian bytes (x86 and ARM are little-endian; torch stores native order)."""
+    if x is None:
+        return pb.Tensor()
+    x = x.detach().to("cpu", dtype or x.dtype).contiguous()
+    raw = x.view(torch.int16) if x.dtype in (torch.bfloat16, torch.float16) else x  # numpy has no bf16
+    return pb.Tensor(dtype=_WIRE[x.dtype], shape=list(x.shape), data=raw.numpy().tobytes())
+
+
+def tensor_from_pb(msg: pb.Tensor) -> torch.Tensor | None:
+    """The tensor of a Tensor message, or None when its shape is empty."""
+    if not msg.shape:
+        return None
+    dtype = wire_dtype(msg.dtype)
+    count = math.prod(msg.shape)
+    if len(msg.data) != count * dtype.itemsize:
+        raise InvalidRequestError(f"tensor of shape {list(msg.shape)} needs {count * dtype.itemsize} bytes, "
+                                  f"got {len(msg.data)}")
+    return torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(tuple(msg.shape))
+
+
+def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                             max_tokens=p.max_tokens)
+
+
+def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    """Validated by SamplingParams itself (InvalidRequestError on out-of-range values)."""
+    return SamplingParams(
+        temperature=msg.temperature, top_p=msg.top_p or 1.0, top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None, max_tokens=msg.max_tokens or 1,
+    )
+
+
+def block_to_pb(block: DraftBlock | None) -> pb.DraftBlock:
+    if block is None or not block.tokens:
+        return pb.DraftBlock()
+    msg = pb.DraftBlock(tokens=block.tokens, confidences=block.confidences or [])
+    if block.q_ids is not None:
+        msg.q.width = block.q_ids.shape[1]
+        msg.q.token_ids.extend(block.q_ids.reshape(-1).tolist())
+        msg.q.probs.CopyFrom(tensor_to_pb(block.q_probs, torch.float32))
+    return msg
+
+
+def block_from_pb(msg: pb.DraftBlock) -> DraftBlock:
+    tokens = list(msg.tokens)
+    n = len(tokens)
+    if msg.confidences and len(msg.confidences) != n:
+        raise InvalidRequestError(f"{len(msg.confidences)} confidences for {n} draft tokens")
+    block = DraftBlock(tokens=tokens, confidences=list(msg.confidences) or None)
+    if msg.q.width and n:
+        probs = tensor_from_pb(msg.q.probs)
+        if probs is None or tuple(probs.shape) != (n, msg.q.width) or len(msg.q.token_ids) != n * msg.q.width:
+            raise InvalidRequestError(f"sparse q must be [{n}, {msg.q.width}] ids and fp32 probs")
+        block.q_ids = torch.tensor(list(msg.q.token_ids), dtype=torch.long).reshape(n, msg.q.width)
+        block.q_probs = probs.float()
+    return block
+
+
+def outcome_to_pb(out: StepOutput, committed: int, dtype: torch.dtype) -> pb.VerifyReply:
+    return pb.VerifyReply(
+        request_id=out.request_id, emitted=out.emitted, num_drafts=out.num_drafts, num_accepted=out.num_accepted,
+        outcome=_OUTCOMES.get(out.kind, pb.OUTCOME_UNSPECIFIED), feature_start=out.feature_start,
+        features=tensor_to_pb(out.features, dtype), committed=committed,
+    )
+
+
+def outcome_from_pb(msg: pb.VerifyReply) -> StepOutput:
+    return StepOutput(
+        request_id=msg.request_id, emitted=list(msg.emitted), num_drafts=msg.num_drafts,
+        num_accepted=msg.num_accepted, kind=_KINDS.get(msg.outcome), feature_start=msg.feature_start,
+        features=tensor_from_pb(msg.features),
+    )

@@ -1,0 +1,322 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+
+class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTCOME_UNSPECIFIED: _ClassVar[Outcome]
+    OUTCOME_BONUS: _ClassVar[Outcome]
+    OUTCOME_RECOVERED: _ClassVar[Outcome]
+    OUTCOME_FIRST: _ClassVar[Outcome]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_BFLOAT16: DType
+DTYPE_FLOAT16: DType
+OUTCOME_UNSPECIFIED: Outcome
+OUTCOME_BONUS: Outcome
+OUTCOME_RECOVERED: Outcome
+OUTCOME_FIRST: Outcome
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    max_tokens: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class SparseQ(_message.Message):
+    __slots__ = ("width", "token_ids", "probs")
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    width: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: Tensor
+    def __init__(self, width: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class DraftBlock(_message.Message):
+    __slots__ = ("tokens", "q", "confidences")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    q: SparseQ
+    confidences: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseQ, _Mapping]] = ..., confidences: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_ids", "params", "resume_ids", "feature_dtype", "traceparent")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_IDS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: SamplingParams
+    resume_ids: _containers.RepeatedScalarFieldContainer[int]
+    feature_dtype: DType
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., resume_ids: _Optional[_Iterable[int]] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class PrefillReply(_message.Message):
+    __slots__ = ("request_id", "cycle", "emitted", "committed", "features")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CYCLE_FIELD_NUMBER: _ClassVar[int]
+    EMITTED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    cycle: int
+    emitted: _containers.RepeatedScalarFieldContainer[int]
+    committed: int
+    features: Tensor
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., emitted: _Optional[_Iterable[int]] = ..., committed: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("request_id", "cycle", "draft", "feature_dtype", "traceparent")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CYCLE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    cycle: int
+    draft: DraftBlock
+    feature_dtype: DType
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., draft: _Optional[_Union[DraftBlock, _Mapping]] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class VerifyReply(_message.Message):
+    __slots__ = ("request_id", "cycle", "emitted", "num_drafts", "num_accepted", "outcome", "feature_start", "features", "committed")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CYCLE_FIELD_NUMBER: _ClassVar[int]
+    EMITTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_START_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    cycle: int
+    emitted: _containers.RepeatedScalarFieldContainer[int]
+    num_drafts: int
+    num_accepted: int
+    outcome: Outcome
+    feature_start: int
+    features: Tensor
+    committed: int
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., emitted: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[int] = ..., num_accepted: _Optional[int] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., feature_start: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., committed: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class ProfileRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SpsPoint(_message.Message):
+    __slots__ = ("batch_tokens", "step_ms")
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    batch_tokens: int
+    step_ms: float
+    def __init__(self, batch_tokens: _Optional[int] = ..., step_ms: _Optional[float] = ...) -> None: ...
+
+class ProfileReply(_message.Message):
+    __slots__ = ("model", "vocab_size", "max_len", "num_slots", "tap_layers", "hidden_size", "sps")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TAP_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SPS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    vocab_size: int
+    max_len: int
+    num_slots: int
+    tap_layers: _containers.RepeatedScalarFieldContainer[int]
+    hidden_size: int
+    sps: _containers.RepeatedCompositeFieldContainer[SpsPoint]
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_len: _Optional[int] = ..., num_slots: _Optional[int] = ..., tap_layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., sps: _Optional[_Iterable[_Union[SpsPoint, _Mapping]]] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadReply(_message.Message):
+    __slots__ = ("running", "waiting", "kv_used", "kv_total", "step_ms_ema", "steps", "streams")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_EMA_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    kv_used: int
+    kv_total: int
+    step_ms_ema: float
+    steps: int
+    streams: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used: _Optional[int] = ..., kv_total: _Optional[int] = ..., step_ms_ema: _Optional[float] = ..., steps: _Optional[int] = ..., streams: _Optional[int] = ...) -> None: ...
+
+class OpenRequest(_message.Message):
+    __slots__ = ("request_id", "context_ids", "features", "params", "cycle", "traceparent", "method")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    CYCLE_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    context_ids: _containers.RepeatedScalarFieldContainer[int]
+    features: Tensor
+    params: SamplingParams
+    cycle: int
+    traceparent: str
+    method: str
+    def __init__(self, request_id: _Optional[str] = ..., context_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cycle: _Optional[int] = ..., traceparent: _Optional[str] = ..., method: _Optional[str] = ...) -> None: ...
+
+class OpenReply(_message.Message):
+    __slots__ = ("context_length", "method", "block_size")
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    context_length: int
+    method: str
+    block_size: int
+    def __init__(self, context_length: _Optional[int] = ..., method: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class DraftRequest(_message.Message):
+    __slots__ = ("request_id", "cycle", "new_ids", "feature_start", "features", "gamma", "traceparent")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CYCLE_FIELD_NUMBER: _ClassVar[int]
+    NEW_IDS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_START_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    cycle: int
+    new_ids: _containers.RepeatedScalarFieldContainer[int]
+    feature_start: int
+    features: Tensor
+    gamma: int
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., new_ids: _Optional[_Iterable[int]] = ..., feature_start: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., gamma: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class DraftReply(_message.Message):
+    __slots__ = ("request_id", "cycle", "block")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CYCLE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    cycle: int
+    block: DraftBlock
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., block: _Optional[_Union[DraftBlock, _Mapping]] = ...) -> None: ...
+
+class DrafterLoadReply(_message.Message):
+    __slots__ = ("contexts", "streams", "queued", "step_ms_ema", "steps")
+    CONTEXTS_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_EMA_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    contexts: int
+    streams: int
+    queued: int
+    step_ms_ema: float
+    steps: int
+    def __init__(self, contexts: _Optional[int] = ..., streams: _Optional[int] = ..., queued: _Optional[int] = ..., step_ms_ema: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
+
+class Speculative(_message.Message):
+    __slots__ = ("method", "policy", "gamma")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    policy: str
+    gamma: int
+    def __init__(self, method: _Optional[str] = ..., policy: _Optional[str] = ..., gamma: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_ids", "prompt", "params", "stop", "stop_token_ids", "speculative", "ignore_eos")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt: str
+    params: SamplingParams
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    speculative: Speculative
+    ignore_eos: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculative: _Optional[_Union[Speculative, _Mapping]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class GenerateChunk(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cycle")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CYCLE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cycle: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cycle: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,67 @@
+"""Prometheus metrics of the router (DESIGN §10), vLLM-compatible where vLLM has a name for it.
+
+Counters, not gauges, for speculation so rates aggregate across replicas:
+acceptance rate = rate(accepted_tokens) / rate(draft_tokens); τ = 1 + rate(accepted_tokens) / rate(drafts).
+Each router owns its registry (several can live in one test process).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PREFIX = "dspark:"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None, model: str = ""):
+        self.registry = registry or CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def counter(name, doc, extra=()):
+            return Counter(PREFIX + name, doc, [*labels, *extra], registry=r)
+
+        self.num_drafts = counter("spec_decode_num_drafts", "Cycles that verified at least one draft token")
+        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens sent for verification (Σ ℓ)")
+        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by position (0-based)", ["position"])
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.requests = counter("request_success", "Finished requests by finish reason", ["finished_reason"])
+        self.rejected = counter("requests_rejected", "Requests refused before admission", ["reason"])
+        self.drafter_detached = counter("drafter_detached", "Sessions that lost their drafter and fell back to "
+                                        "plain decoding")
+        self.verifier_reprefills = counter("verifier_reprefills", "Sessions re-prefilled after losing their verifier")
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "(E2E − TTFT) / (tokens − 1) per request",
+                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.verify_len = Histogram(PREFIX + "verify_len", "ℓ chosen per cycle", labels,
+                                    buckets=tuple(range(17)), registry=r)
+        self.running = Gauge(PREFIX + "num_requests_running", "Requests in a session", labels, registry=r)
+        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests queued for a session", labels, registry=r)
+        self.model = model
+
+    def cycle(self, verify_len: int, accepted: int) -> None:
+        m = self.model
+        self.verify_len.labels(m).observe(verify_len)
+        if verify_len == 0:
+            return
+        self.num_drafts.labels(m).inc()
+        self.num_draft_tokens.labels(m).inc(verify_len)
+        self.num_accepted_tokens.labels(m).inc(accepted)
+        for pos in range(accepted):
+            self.accepted_per_pos.labels(m, str(pos)).inc()
+
+    def finished(self, reason: str, prompt_tokens: int, output_tokens: int, ttft_s: float, e2e_s: float) -> None:
+        m = self.model
+        self.requests.labels(m, reason).inc()
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.generation_tokens.labels(m).inc(output_tokens)
+        self.e2e.labels(m).observe(e2e_s)
+        if output_tokens > 1:
+            self.tpot.labels(m).observe((e2e_s - ttft_s) / (output_tokens - 1))

@@ -1,0 +1,217 @@
+"""The tiered router core: sessions and the cycle loop (draft → schedule → verify → commit) over a
+verifier tier and a drafter tier reached through `router/tiers.py` protocols (gRPC or in-process).
+
+Each request runs as its own coroutine; batching happens in the tiers, which serve many streams per
+step. The router is the ground truth of every session (committed tokens), so it recovers from a lost
+drafter (plain decoding, then reopening the context from the stored features) and from a lost
+verifier (re-prefill from the committed tokens) without losing or changing the request's output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import torch
+from opentelemetry import trace
+
+from router.metrics import RouterMetrics
+from router.policy import Policy, choose_verify_len, max_verify_len
+from router.session import Chunk, RouterRequest, Session, Speculation, resolve
+from router.text_stream import TextStream
+from router.tiers import DrafterTier, VerifierTier
+from services.errors import CapacityError, StaleCycleError, TierUnavailableError
+from services.tokenizer import TextTokenizer
+from services.tracing import current_traceparent
+from services.types import DraftBlock
+from verifier_worker.service import Prefilled, Verified
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    default: Speculation = field(default_factory=Speculation)
+    max_gamma: int = 16
+    threshold: float = 0.3  # λ of the THRESHOLD policy: verify while prefix survival a_k ≥ λ
+    max_running: int = 64  # concurrent sessions
+    max_queue: int = 256  # sessions waiting for a running slot; beyond it requests get CapacityError
+    reattach_every: int = 16  # cycles between attempts to reopen a lost drafter
+    verifier_retry_s: float = 30.0  # how long a session keeps re-prefilling on a lost verifier
+
+
+class Router:
+    def __init__(self, verifier: VerifierTier, drafter: DrafterTier | None, methods: set[str],
+                 config: RouterConfig | None = None, tokenizer: TextTokenizer | None = None,
+                 tracer: trace.Tracer | None = None, metrics: RouterMetrics | None = None, model: str = ""):
+        self.verifier, self.drafter, self.methods = verifier, drafter, methods if drafter else set()
+        self.config = config or RouterConfig()
+        self.tokenizer, self.model = tokenizer, model
+        self.tracer = tracer or trace.NoOpTracer()
+        self.metrics = metrics or RouterMetrics(model=model)
+        self._slots = asyncio.Semaphore(self.config.max_running)
+        self.waiting = self.running = 0
+
+    def speculation(self, options: dict | None) -> Speculation:
+        return resolve(options, self.config.default, self.methods, self.config.max_gamma)
+
+    def check_capacity(self) -> None:
+        """CapacityError when a new request would find the queue full (the API answers 429)."""
+        if self.waiting >= self.config.max_queue:
+            self.metrics.rejected.labels(self.model, "queue_full").inc()
+            raise CapacityError(f"router queue is full ({self.config.max_queue} waiting)")
+
+    async def generate(self, request: RouterRequest) -> AsyncIterator[Chunk]:
+        """Stream the request's output, one chunk for the first token and one per cycle after it."""
+        spec = self.speculation(request.speculative)
+        self.check_capacity()
+        self.waiting += 1
+        self.metrics.waiting.labels(self.model).inc()
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+            self.metrics.waiting.labels(self.model).dec()
+        self.running += 1
+        self.metrics.running.labels(self.model).inc()
+        session = Session(request, spec, TextStream(self.tokenizer, request.stop))
+        try:
+            async for chunk in self._serve(session):
+                yield chunk
+        finally:
+            self.running -= 1
+            self.metrics.running.labels(self.model).dec()
+            self._slots.release()
+            await asyncio.shield(self._release(session))
+
+    async def _serve(self, s: Session) -> AsyncIterator[Chunk]:
+        rid = s.request.request_id
+        attrs = {"dspark.request_id": rid, "gen_ai.request.model": self.model, "dspark.method": s.spec.method,
+                 "dspark.policy": str(s.spec.policy), "dspark.gamma": s.spec.gamma,
+                 "gen_ai.request.max_tokens": s.params.max_tokens, "gen_ai.request.temperature": s.params.temperature,
+                 "gen_ai.usage.input_tokens": len(s.request.prompt_ids)}
+        with self.tracer.start_as_current_span("request", attributes=attrs) as span:
+            with self.tracer.start_as_current_span("prefill"):
+                pre = await self._prefill(s, resume=False)
+            s.first_token_s = time.perf_counter() - s.started
+            self.metrics.ttft.labels(self.model).observe(s.first_token_s)
+            s.add_features(0, pre.features)
+            yield self._chunk(s, *s.commit(pre.emitted))
+            if s.spec.policy is not Policy.NONE and self.drafter is not None and s.finish_reason() is None:
+                await self._open_drafter(s)
+            while s.finish_reason() is None:
+                yield await self._cycle(s)
+            finish = s.finish_reason()
+            tail = s.text.flush()
+            span.set_attributes({"gen_ai.usage.output_tokens": len(s.output),
+                                 "gen_ai.response.finish_reasons": [str(finish)], "dspark.cycles": s.cycle})
+            self.metrics.finished(str(finish), len(s.request.prompt_ids), len(s.output), s.first_token_s,
+                                  time.perf_counter() - s.started)
+            yield self._chunk(s, [], tail, finish)
+
+    async def _cycle(self, s: Session) -> Chunk:
+        s.cycle += 1
+        with self.tracer.start_as_current_span("cycle", attributes={"dspark.cycle": s.cycle}) as span:
+            bound = max_verify_len(s.spec.policy, s.spec.gamma, s.remaining)
+            block = await self._draft(s, bound) if bound > 0 else None
+            with self.tracer.start_as_current_span("schedule") as sched:
+                if block is not None:
+                    block = block.head(choose_verify_len(s.spec.policy, block, bound, self.config.threshold))
+                survival = _survival(block)
+                sched.set_attributes({"dspark.verify_len": len(block or ()), "dspark.survival": survival})
+            with self.tracer.start_as_current_span("verify") as vspan:
+                done = await self._verify(s, block)
+                out = done.output
+                vspan.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted})
+            self.metrics.cycle(out.num_drafts, out.num_accepted)
+            s.add_features(out.feature_start, out.features)
+            kept, text = s.commit(out.emitted)
+            span.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted,
+                                 "dspark.emitted": len(kept)})
+            return self._chunk(s, kept, text)
+
+    # ---- drafter ------------------------------------------------------------------------------
+    async def _open_drafter(self, s: Session) -> None:
+        feats = torch.cat(s.features) if s.features else None
+        s.new_ids, s.new_features = [], []
+        try:
+            # The context includes this cycle's anchor, so the next draft (this cycle) must be newer.
+            await self.drafter.open(s.request.request_id, s.committed, feats, s.params, max(0, s.cycle - 1),
+                                    s.spec.method, current_traceparent())
+            s.drafter_ok = True
+        except Exception as error:
+            self._detach(s, error)
+
+    async def _draft(self, s: Session, bound: int) -> DraftBlock | None:
+        if self.drafter is None or s.spec.policy is Policy.NONE:
+            return None
+        if not s.drafter_ok:
+            if s.cycle - s.detached_at < self.config.reattach_every:
+                return None
+            await self._open_drafter(s)
+            if not s.drafter_ok:
+                return None
+        new_ids, start, feats = s.take_delta()
+        with self.tracer.start_as_current_span("draft", attributes={"dspark.gamma": s.spec.gamma}) as span:
+            try:
+                block = await self.drafter.draft(s.request.request_id, s.cycle, new_ids, start, feats, s.spec.gamma,
+                                                 current_traceparent())
+            except Exception as error:
+                self._detach(s, error)
+                return None
+            span.set_attribute("dspark.drafted", len(block))
+            return block
+
+    def _detach(self, s: Session, error: Exception) -> None:
+        log.warning("request %s: drafter lost (%s); decoding without it", s.request.request_id, error)
+        s.drafter_ok, s.detached_at = False, s.cycle
+        self.metrics.drafter_detached.labels(self.model).inc()
+
+    # ---- verifier -----------------------------------------------------------------------------
+    async def _prefill(self, s: Session, resume: bool) -> Prefilled:
+        """Prefill (or re-prefill from the committed tokens), retrying a lost verifier until the deadline."""
+        deadline = time.monotonic() + self.config.verifier_retry_s
+        params = dataclasses.replace(s.params, max_tokens=max(1, s.remaining))
+        while True:
+            try:
+                return await self.verifier.prefill(s.request.request_id, s.request.prompt_ids, params,
+                                                   s.output if resume else [], current_traceparent())
+            except TierUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+
+    async def _verify(self, s: Session, block: DraftBlock | None) -> Verified:
+        for _ in range(3):
+            try:
+                done = await self.verifier.verify(s.request.request_id, s.vcycle + 1, block, current_traceparent())
+                s.vcycle += 1
+                return done
+            except (TierUnavailableError, StaleCycleError) as error:
+                log.warning("request %s: verifier lost (%s); re-prefilling", s.request.request_id, error)
+                self.metrics.verifier_reprefills.labels(self.model).inc()
+                await self.verifier.release(s.request.request_id)
+                await self._prefill(s, resume=True)
+                s.vcycle = 0
+        raise TierUnavailableError(f"request {s.request.request_id}: verifier keeps failing")
+
+    async def _release(self, s: Session) -> None:
+        rid = s.request.request_id
+        await self.verifier.release(rid)
+        if self.drafter is not None and s.spec.policy is not Policy.NONE:
+            await self.drafter.release(rid)
+
+    def _chunk(self, s: Session, tokens: list[int], text: str, finish=None) -> Chunk:
+        return Chunk(s.request.request_id, tokens, text, finish, len(s.request.prompt_ids), len(s.output), s.cycle)
+
+
+def _survival(block: DraftBlock | None) -> float:
+    """a_ℓ of the verified prefix (1 when nothing or no confidences)."""
+    out = 1.0
+    for c in (block.confidences or []) if block is not None else []:
+        out *= c
+    return out

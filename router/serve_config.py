@@ -1,0 +1,115 @@
+"""Settings of the serving roles: pydantic models that reject unknown keys, read from YAML and flags.
+
+Precedence: command-line flag > `--config FILE` > defaults. Flag names are the field names in kebab
+case (`num_slots` → `--num-slots`); in `dspark serve` the file has one section per role.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.errors import InvalidRequestError
+
+Traces = Literal["none", "console", "otlp"]
+
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class VerifierSettings(_Settings):
+    model: str = Field("dspark-target", description="target: shipped name or model directory")
+    host: str = Field("127.0.0.1", description="bind address (loopback unless you mean otherwise)")
+    port: int = Field(50051, ge=0, le=65535, description="0: any free port")
+    dtype: str = "auto"
+    device: str = "auto"
+    threads: int = Field(0, ge=0, description="torch CPU threads (0: torch's default)")
+    num_slots: int = Field(16, ge=1, description="concurrent requests holding KV")
+    max_len: int = Field(1024, ge=8, description="positions per KV slot")
+    max_batch_tokens: int = Field(256, ge=1, description="prefill token budget per engine step")
+    max_waiting: int = Field(256, ge=0, description="requests queued for a slot before RESOURCE_EXHAUSTED")
+    tap_layers: list[int] | None = Field(None, description="feature taps; default: the drafters' (1, n/2, n−2)")
+    lease_s: float = Field(60.0, gt=0, description="free requests prefilled but never attached to a stream")
+    profile: bool = Field(False, description="measure the SPS(B) table at start-up")
+    traces: Traces = "none"
+    otlp_traces_endpoint: str | None = None
+
+
+class DrafterSettings(_Settings):
+    model: str = Field("dspark-target", description="the target the drafters belong to")
+    drafters: list[str] | None = Field(None, description="drafters to host; default: every shipped one of model")
+    host: str = "127.0.0.1"
+    port: int = Field(50052, ge=0, le=65535)
+    dtype: str = "auto"
+    device: str = "auto"
+    threads: int = Field(0, ge=0)
+    max_q: int = Field(64, ge=1, description="support size K of the sparse draft distribution q'")
+    seed: int = 0
+    traces: Traces = "none"
+    otlp_traces_endpoint: str | None = None
+
+
+class RouterSettings(_Settings):
+    model: str = Field("dspark-target", description="target (for the tokenizer and the served model name)")
+    served_model_name: str | None = None
+    host: str = Field("127.0.0.1", description="HTTP bind address; 0.0.0.0 to serve other machines")
+    port: int = Field(8000, ge=0, le=65535)
+    verifier: str = Field("127.0.0.1:50051", description="verifier address host:port")
+    drafter: str | None = Field("127.0.0.1:50052", description="drafter address; null: no speculation")
+    methods: list[str] = Field(["dspark", "dflash", "eagle3", "mtp"], description="methods the drafter hosts")
+    method: str = Field("dspark", description="default speculative method (none to switch speculation off)")
+    policy: Literal["none", "fixed", "mtp1", "threshold"] = "fixed"
+    gamma: int = Field(7, ge=1, le=16)
+    max_gamma: int = Field(16, ge=1)
+    threshold: float = Field(0.3, ge=0.0, le=1.0, description="λ of the threshold policy")
+    max_running: int = Field(64, ge=1)
+    max_queue: int = Field(256, ge=0)
+    api_key: list[str] | None = Field(None, description="accepted API keys (or DSPARK_API_KEY)")
+    max_model_len: int = Field(1024, ge=8)
+    traces: Traces = "none"
+    otlp_traces_endpoint: str | None = None
+
+
+class ServeSettings(_Settings):
+    verifier: VerifierSettings = VerifierSettings()
+    drafter: DrafterSettings = DrafterSettings()
+    router: RouterSettings = RouterSettings()
+
+
+def add_flags(parser: argparse.ArgumentParser, settings: type[_Settings]) -> None:
+    """One `--kebab-case` flag per field; unset flags stay out of the merge (file and defaults win)."""
+    for name, field in settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kind = field.annotation
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=field.description)
+        elif "list" in str(kind):
+            parser.add_argument(flag, default=argparse.SUPPRESS, help=(field.description or "") + " (comma-separated)",
+                                type=lambda s: [x for x in s.split(",") if x])
+        else:
+            parser.add_argument(flag, default=argparse.SUPPRESS, help=field.description)
+
+
+def load(settings: type[_Settings], config: Path | None, flags: dict) -> _Settings:
+    raw = {}
+    if config is not None:
+        try:
+            raw = yaml.safe_load(Path(config).read_text()) or {}
+        except (OSError, yaml.YAMLError) as error:
+            raise InvalidRequestError(f"--config {config}: {error}") from None
+        if not isinstance(raw, dict):
+            raise InvalidRequestError(f"--config {config}: expected a mapping")
+    merged = {**raw, **flags}
+    if settings is RouterSettings and not merged.get("api_key") and os.environ.get("DSPARK_API_KEY"):
+        merged["api_key"] = [os.environ["DSPARK_API_KEY"]]
+    try:
+        return settings.model_validate(merged)
+    except ValidationError as error:
+        raise InvalidRequestError(f"bad settings: {error}") from None

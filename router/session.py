@@ -1,0 +1,134 @@
+"""One request's state in the tiered router: committed tokens, cycle counters, the drafter's delta."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from router.policy import Policy
+from router.text_stream import TextStream
+from services.errors import InvalidRequestError
+from services.types import FinishReason, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """How one request is served: which drafter, which verify-length policy, block size γ."""
+
+    method: str = "none"  # none | mtp | eagle3 | dflash | dspark | …
+    policy: Policy = Policy.NONE
+    gamma: int = 0
+
+
+@dataclass(slots=True)
+class RouterRequest:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    stop: tuple[str, ...] = ()  # stop strings, excluded from the text
+    stop_token_ids: tuple[int, ...] = ()  # the model's EOS unless ignore_eos, plus the request's own
+    speculative: dict | None = None  # per-request {"method", "policy", "gamma"}; None = deployment default
+
+
+@dataclass(slots=True)
+class Chunk:
+    """What one cycle (or the prefill) adds to the output."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cycle: int
+
+
+@dataclass(slots=True)
+class Session:
+    request: RouterRequest
+    spec: Speculation
+    text: TextStream
+    started: float = field(default_factory=time.perf_counter)
+    first_token_s: float = 0.0
+    output: list[int] = field(default_factory=list)
+    vcycle: int = 0  # cycles applied by the current verifier (restarts at 0 after a re-prefill)
+    cycle: int = 0  # cycles of this request (drafter messages carry it)
+    drafter_ok: bool = False
+    detached_at: int = 0  # cycle at which the drafter was lost
+    # Delta for the drafter since its last message: tokens and features of newly committed positions.
+    new_ids: list[int] = field(default_factory=list)
+    new_features: list[torch.Tensor] = field(default_factory=list)
+    feature_start: int = 0
+    features: list[torch.Tensor] = field(default_factory=list)  # all features, for reopening a drafter
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.output)
+
+    @property
+    def committed(self) -> list[int]:
+        return [*self.request.prompt_ids, *self.output]
+
+    def add_features(self, start: int, feats: torch.Tensor | None) -> None:
+        if feats is None or not len(feats):
+            return
+        if not self.new_features:
+            self.feature_start = start
+        self.new_features.append(feats)
+        if self.spec.method != "none":
+            self.features.append(feats)
+
+    def take_delta(self) -> tuple[list[int], int, torch.Tensor | None]:
+        feats = torch.cat(self.new_features) if self.new_features else None
+        delta = (self.new_ids, self.feature_start, feats)
+        self.new_ids, self.new_features = [], []
+        return delta
+
+    def commit(self, emitted: list[int]) -> tuple[list[int], str]:
+        """Append a cycle's tokens up to max_tokens / a stop token / a stop string → (kept, text delta)."""
+        self.new_ids.extend(emitted)  # the drafter mirrors the verifier's committed tokens, cuts or not
+        take = []
+        for token in emitted:
+            if self.remaining - len(take) <= 0 or (take and take[-1] in self.request.stop_token_ids):
+                break
+            take.append(token)
+        kept, text = self.text.feed(take)
+        self.output.extend(kept)
+        return kept, text
+
+    def finish_reason(self) -> FinishReason | None:
+        if self.text.stopped or (self.output and self.output[-1] in self.request.stop_token_ids):
+            return FinishReason.STOP
+        if self.remaining <= 0:
+            return FinishReason.LENGTH
+        return None
+
+
+def resolve(options: dict | None, default: Speculation, methods: set[str], max_gamma: int) -> Speculation:
+    """A request's speculative options within what the deployment allows (InvalidRequestError otherwise)."""
+    if not options:
+        return default
+    unknown = set(options) - {"method", "policy", "gamma"}
+    if unknown:
+        raise InvalidRequestError(f"unknown speculative option(s): {', '.join(sorted(unknown))}")
+    method = options.get("method") or default.method
+    if method != "none" and method not in methods:
+        raise InvalidRequestError(f"speculative method {method!r} is not served here (served: none, "
+                                  f"{', '.join(sorted(methods))})")
+    try:
+        policy = Policy(options.get("policy") or (Policy.NONE if method == "none" else default.policy))
+    except ValueError:
+        raise InvalidRequestError(f"unknown policy {options.get('policy')!r}") from None
+    gamma = options.get("gamma") or default.gamma or max_gamma
+    if not isinstance(gamma, int) or not 1 <= gamma <= max_gamma:
+        raise InvalidRequestError(f"gamma must be an integer in [1, {max_gamma}], got {gamma!r}")
+    if (method == "none") != (policy is Policy.NONE):
+        raise InvalidRequestError(f"policy {policy} does not go with method {method}")
+    return Speculation(method, policy, 1 if policy is Policy.MTP1 else gamma)

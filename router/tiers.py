@@ -1,0 +1,67 @@
+"""What the router needs from a verifier and a drafter tier, and in-process adapters over the cores.
+
+The gRPC clients (`router/grpc_tiers.py`) implement the same two protocols, so the router core runs
+unchanged over loopback gRPC, over remote replicas, or in one process (tests and the embedded mode).
+`traceparent` is the W3C context of the caller's span; in-process calls inherit it directly.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from drafter_worker.service import DrafterService
+from services.types import DraftBlock, SamplingParams
+from verifier_worker.service import Prefilled, Verified, VerifierService
+
+
+class VerifierTier(Protocol):
+    async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      resume_ids: list[int], traceparent: str) -> Prefilled: ...
+
+    async def verify(self, request_id: str, cycle: int, draft: DraftBlock | None, traceparent: str) -> Verified: ...
+
+    async def release(self, request_id: str) -> None: ...
+
+
+class DrafterTier(Protocol):
+    async def open(self, request_id: str, context_ids: list[int], features: torch.Tensor | None,
+                   params: SamplingParams, cycle: int, method: str, traceparent: str) -> None: ...
+
+    async def draft(self, request_id: str, cycle: int, new_ids: list[int], feature_start: int,
+                    features: torch.Tensor | None, gamma: int, traceparent: str) -> DraftBlock: ...
+
+    async def release(self, request_id: str) -> None: ...
+
+
+class LocalVerifier:
+    """A `VerifierService` in this process."""
+
+    def __init__(self, service: VerifierService):
+        self.service = service
+
+    async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent) -> Prefilled:
+        return await self.service.prefill(request_id, prompt_ids, params, resume_ids)
+
+    async def verify(self, request_id, cycle, draft, traceparent) -> Verified:
+        return await self.service.verify(request_id, cycle, draft)
+
+    async def release(self, request_id) -> None:
+        await self.service.release(request_id)
+
+
+class LocalDrafter:
+    """A `DrafterService` in this process."""
+
+    def __init__(self, service: DrafterService):
+        self.service = service
+
+    async def open(self, request_id, context_ids, features, params, cycle, method, traceparent) -> None:
+        await self.service.open(request_id, context_ids, features, params, cycle, method)
+
+    async def draft(self, request_id, cycle, new_ids, feature_start, features, gamma, traceparent) -> DraftBlock:
+        return await self.service.draft(request_id, cycle, new_ids, feature_start, features, gamma)
+
+    async def release(self, request_id) -> None:
+        await self.service.release(request_id)

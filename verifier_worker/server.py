@@ -1,0 +1,99 @@
+"""gRPC shell of the verifier tier: `dspark.v1.Verifier` over a `VerifierService` (DESIGN §4–5).
+
+Each Verify stream carries one request's cycles. When the stream ends because the client cancelled it
+or finished, the request's KV slot is freed; when the server rejects a message (stale cycle, bad
+block) the stream ends with that status and the request is kept, so the router can reopen a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from opentelemetry import trace
+
+from protos import codec
+from protos.dspark.v1 import dspark_pb2 as pb
+from protos.dspark.v1 import dspark_pb2_grpc as rpc
+from protos.status import abort_with, status_of
+from services.tracing import context_from
+from verifier_worker.profile import SpsPoint
+from verifier_worker.service import VerifierService
+
+
+class VerifierServicer(rpc.VerifierServicer):
+    def __init__(self, service: VerifierService, tracer: trace.Tracer | None = None,
+                 sps: list[SpsPoint] | None = None):
+        self.service, self.sps = service, sps or []
+        self.tracer = tracer or trace.NoOpTracer()
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillReply:
+        with self.tracer.start_as_current_span("verifier.prefill", context=context_from(request.traceparent),
+                                               attributes={"dspark.request_id": request.request_id,
+                                                           "gen_ai.usage.input_tokens": len(request.prompt_ids)}):
+            try:
+                params = codec.params_from_pb(request.params)
+                done = await self.service.prefill(request.request_id, list(request.prompt_ids), params,
+                                                  list(request.resume_ids))
+                dtype = codec.wire_dtype(request.feature_dtype)
+            except Exception as error:
+                await abort_with(context, error)
+            return pb.PrefillReply(request_id=request.request_id, cycle=0, emitted=done.emitted,
+                                   committed=done.committed, features=codec.tensor_to_pb(done.features, dtype))
+
+    async def Verify(self, request_iterator, context: grpc.aio.ServicerContext):
+        attached: str | None = None
+        release = True
+        try:
+            async for msg in request_iterator:
+                if attached is None:
+                    attached = msg.request_id
+                    self.service.attach(attached)
+                if msg.request_id != attached:
+                    release = False
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "one request per Verify stream")
+                reply, error = await self._verify_one(msg)
+                if error is not None:
+                    release = False  # a rejected message changes nothing, the request included
+                    await abort_with(context, error)
+                yield reply
+        finally:
+            if attached is not None:
+                self.service.detach(attached)
+                if release:
+                    await asyncio.shield(self.service.release(attached))
+
+    async def _verify_one(self, msg: pb.VerifyRequest) -> tuple[pb.VerifyReply | None, Exception | None]:
+        with self.tracer.start_as_current_span("verifier.verify", context=context_from(msg.traceparent)) as span:
+            try:
+                block = codec.block_from_pb(msg.draft)
+                dtype = codec.wire_dtype(msg.feature_dtype)
+                done = await self.service.verify(msg.request_id, msg.cycle, block)
+            except Exception as error:
+                if status_of(error) is None:
+                    raise
+                return None, error
+            out = done.output
+            span.set_attributes({"dspark.request_id": msg.request_id, "dspark.cycle": msg.cycle,
+                                 "dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted})
+            reply = codec.outcome_to_pb(out, done.committed, dtype)
+            reply.cycle = msg.cycle
+            return reply, None
+
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseReply:
+        return pb.ReleaseReply(released=await self.service.release(request.request_id))
+
+    async def Profile(self, request: pb.ProfileRequest, context) -> pb.ProfileReply:
+        engine = self.service.engine
+        cfg = engine.model.config
+        return pb.ProfileReply(
+            model=self.service.model_name, vocab_size=cfg.vocab_size, max_len=engine.max_len,
+            num_slots=engine.config.num_slots, tap_layers=list(engine.model.tap_layers), hidden_size=cfg.hidden_size,
+            sps=[pb.SpsPoint(batch_tokens=p.batch_tokens, step_ms=p.step_ms) for p in self.sps],
+        )
+
+    async def Load(self, request: pb.LoadRequest, context) -> pb.LoadReply:
+        load = self.service.load()
+        return pb.LoadReply(running=load.running, waiting=load.waiting, kv_used=load.kv_used,
+                            kv_total=load.kv_total, step_ms_ema=load.step_ms_ema, steps=load.steps,
+                            streams=load.streams)

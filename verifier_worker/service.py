@@ -1,0 +1,193 @@
+"""The verifier tier's async core: many sessions, one engine step loop (no gRPC, no Ray).
+
+Sessions call `prefill`, `verify` and `release` from any coroutine; one loop task runs `Engine.step`
+in a worker thread whenever there is work, so one ragged forward serves every stream that has a cycle
+pending (continuous batching across streams). The engine is touched only under `_lock`, which the
+loop holds for the duration of a step: admissions, submissions and releases land between steps.
+
+Cycle bookkeeping: after prefill a request is at cycle 0; `verify` must carry the next cycle, anything
+else is stale (`StaleCycleError`) and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.errors import InvalidRequestError, StaleCycleError, TierUnavailableError
+from services.types import DraftBlock, OutcomeKind, SamplingParams, StepOutput
+from verifier_worker.engine import Engine
+
+
+@dataclass(slots=True)
+class Prefilled:
+    emitted: list[int]  # [1] the first token; empty when resumed
+    committed: int  # committed tokens: prompt + emitted (+ resumed)
+    features: torch.Tensor | None  # [committed − 1, T*d] every position before the anchor
+
+
+@dataclass(slots=True)
+class Verified:
+    output: StepOutput
+    committed: int
+
+
+@dataclass(slots=True)
+class VerifierLoad:
+    running: int
+    waiting: int
+    kv_used: int
+    kv_total: int
+    step_ms_ema: float
+    steps: int
+    streams: int
+
+
+@dataclass(slots=True)
+class _Session:
+    cycle: int = 0
+    opened: float = field(default_factory=time.monotonic)
+    streams: int = 0  # Verify streams attached (0 or 1 in practice)
+    features: list[torch.Tensor] = field(default_factory=list)  # prefill chunks so far
+    waiter: asyncio.Future | None = None
+
+
+class VerifierService:
+    def __init__(self, engine: Engine, model_name: str = "", lease_s: float = 60.0, ema: float = 0.1):
+        self.engine, self.model_name, self.lease_s, self._ema = engine, model_name, lease_s, ema
+        self._sessions: dict[str, _Session] = {}
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self.steps, self.step_ms_ema, self.stopping = 0, 0.0, False
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._loop()), asyncio.create_task(self._janitor())]
+
+    async def stop(self) -> None:
+        self.stopping = True
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for rid in list(self._sessions):
+            self._drop(rid, TierUnavailableError("verifier is stopping"))
+
+    # ---- session calls ------------------------------------------------------------------------
+    async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      resume_ids: list[int] | None = None) -> Prefilled:
+        self._check_open()
+        async with self._lock:
+            if request_id in self._sessions:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            self.engine.add_request(request_id, prompt_ids, params, resume_ids or ())
+            session = self._sessions[request_id] = _Session()
+            session.waiter = asyncio.get_running_loop().create_future()
+        self._wake.set()
+        try:
+            out: StepOutput = await session.waiter
+        except asyncio.CancelledError:
+            await self.release(request_id)
+            raise
+        feats = torch.cat(session.features) if session.features else None
+        session.features = []
+        committed = len(prompt_ids) + len(resume_ids or ()) + len(out.emitted)
+        return Prefilled(out.emitted, committed, None if feats is None else feats[: committed - 1])
+
+    async def verify(self, request_id: str, cycle: int, draft: DraftBlock | None) -> Verified:
+        self._check_open()
+        async with self._lock:
+            session = self._sessions.get(request_id)
+            if session is None or session.waiter is not None:
+                state = "unknown" if session is None else "busy"
+                raise StaleCycleError(f"request {request_id!r} is {state}")
+            if cycle != session.cycle + 1:
+                raise StaleCycleError(f"request {request_id!r}: cycle {cycle} is stale, expected {session.cycle + 1}")
+            self.engine.submit(request_id, draft)
+            session.waiter = asyncio.get_running_loop().create_future()
+        self._wake.set()
+        out: StepOutput = await session.waiter
+        session.cycle = cycle
+        return Verified(out, len(self.engine.tokens(request_id)))
+
+    async def release(self, request_id: str) -> bool:
+        async with self._lock:
+            return self._drop(request_id, asyncio.CancelledError())
+
+    def attach(self, request_id: str) -> None:
+        """A Verify stream now carries this request (it is no longer subject to the lease)."""
+        if request_id in self._sessions:
+            self._sessions[request_id].streams += 1
+
+    def detach(self, request_id: str) -> None:
+        if request_id in self._sessions:
+            self._sessions[request_id].streams -= 1
+
+    def load(self) -> VerifierLoad:
+        usage = self.engine.cache.usage()
+        return VerifierLoad(
+            running=self.engine.num_running, waiting=self.engine.num_waiting, kv_used=usage.tokens_used,
+            kv_total=usage.tokens_total, step_ms_ema=self.step_ms_ema, steps=self.steps,
+            streams=sum(s.streams for s in self._sessions.values()),
+        )
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._sessions
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.stopping:
+            raise TierUnavailableError("verifier is stopping")
+
+    def _drop(self, request_id: str, reason: BaseException) -> bool:
+        session = self._sessions.pop(request_id, None)
+        self.engine.release(request_id)
+        if session is not None and session.waiter is not None and not session.waiter.done():
+            session.waiter.set_exception(reason)
+        return session is not None
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.engine.has_work():
+                async with self._lock:
+                    t0 = time.perf_counter()
+                    outputs = await asyncio.to_thread(self.engine.step)
+                    self._record((time.perf_counter() - t0) * 1000)
+                    for out in outputs:
+                        self._deliver(out)
+                if not outputs:
+                    break  # waiting requests with every slot taken by idle sessions: wait for a release
+
+    def _record(self, ms: float) -> None:
+        self.steps += 1
+        self.step_ms_ema = ms if self.steps == 1 else (1 - self._ema) * self.step_ms_ema + self._ema * ms
+
+    def _deliver(self, out: StepOutput) -> None:
+        session = self._sessions.get(out.request_id)
+        if session is None:
+            return
+        if out.kind is None or out.kind is OutcomeKind.FIRST:
+            if out.features is not None:
+                session.features.append(out.features)
+            if out.kind is None:
+                return
+        waiter, session.waiter = session.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(out)
+
+    async def _janitor(self) -> None:
+        """Free requests opened but never attached to a stream (their router went away)."""
+        while True:
+            await asyncio.sleep(self.lease_s / 4)
+            now = time.monotonic()
+            async with self._lock:
+                for rid, s in list(self._sessions.items()):
+                    if s.streams <= 0 and s.waiter is None and now - s.opened > self.lease_s:
+                        self._drop(rid, TierUnavailableError("lease expired"))
