@@ -1,4 +1,4 @@
-"""`dspark` command line: generate, profile, make-tiny-model."""
+"""`dspark` command line: serve (and its roles), generate, profile, data, train, eval, models."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from router.cli_drafters import (
     run_target_cache,
     run_train_drafter,
 )
+from router.cli_serve import add_parsers as add_serve_parsers
+from router.cli_serve import run_role, run_serve
 from services.errors import DsparkError
 
 METHODS = ("none", "ngram", "mtp", "eagle3", "dflash", "dspark")
@@ -38,6 +40,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    add_serve_parsers(sub)
 
     gen = sub.add_parser("generate", help="generate in-process (no Ray, no gRPC), with or without speculation")
     _add_model_args(gen)
@@ -214,6 +218,7 @@ def _models(args: argparse.Namespace) -> int:
 _COMMANDS = {
     "generate": _generate, "profile": _profile, "data": _data, "train": _train, "models": _models,
     "make-tiny-model": _make_tiny, "calibrate": run_calibrate, "eval": run_eval,
+    "serve": run_serve, "verifier": run_role, "drafter": run_role, "router": run_role,
 }
 
 

@@ -117,7 +117,7 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
         stops = () if body.ignore_eos else tuple(tokenizer.eos_token_ids)
         spec = body.speculative.model_dump(exclude_none=True) if body.speculative else None
         req = RouterRequest(prompt_ids=prompt_ids, params=body.sampling(max_tokens),
-                            request_id=f"{request.state.request_id}-{uuid.uuid4().hex[:8]}", stop=tuple(body.stop),
+                            request_id=f"{request.state.request_id}-{uuid.uuid4().hex[:8]}", stop=tuple(body.stop or ()),
                             stop_token_ids=(*stops, *(body.stop_token_ids or ())), speculative=spec)
         router.speculation(spec)  # 400 now for options this deployment does not serve
         router.check_capacity()

@@ -94,7 +94,8 @@ def add_flags(parser: argparse.ArgumentParser, settings: type[_Settings]) -> Non
             parser.add_argument(flag, default=argparse.SUPPRESS, help=(field.description or "") + " (comma-separated)",
                                 type=lambda s: [x for x in s.split(",") if x])
         else:
-            parser.add_argument(flag, default=argparse.SUPPRESS, help=field.description)
+            parser.add_argument(flag, default=argparse.SUPPRESS, help=field.description,
+                                type=kind if kind in (int, float) else None)
 
 
 def load(settings: type[_Settings], config: Path | None, flags: dict) -> _Settings:

@@ -1,0 +1,92 @@
+"""`dspark serve` (every role on this host) and `dspark verifier|drafter|router` (one role each)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+from router.serve_config import DrafterSettings, RouterSettings, ServeSettings, VerifierSettings, add_flags, load
+
+ROLES = {"verifier": VerifierSettings, "drafter": DrafterSettings, "router": RouterSettings}
+_HELP = {
+    "verifier": "serve the target model (dspark.v1.Verifier over gRPC)",
+    "drafter": "serve draft models (dspark.v1.Drafter over gRPC)",
+    "router": "serve the OpenAI-compatible HTTP API, routing to a verifier and a drafter",
+}
+
+
+def add_parsers(sub) -> None:
+    serve = sub.add_parser("serve", help="run verifier, drafter and router on this host (embedded defaults)")
+    serve.add_argument("--config", type=Path, help="YAML with verifier:, drafter:, router: sections")
+    for flag, kw in (("--model", {}), ("--host", {"help": "HTTP bind address"}), ("--port", {"type": int}),
+                     ("--method", {}), ("--policy", {}), ("--gamma", {"type": int}),
+                     ("--api-key", {"help": "accepted API key (else DSPARK_API_KEY)"}),
+                     ("--traces", {"choices": ("none", "console", "otlp")}), ("--otlp-traces-endpoint", {})):
+        serve.add_argument(flag, default=argparse.SUPPRESS, **kw)
+    for role, settings in ROLES.items():
+        p = sub.add_parser(role, help=_HELP[role])
+        p.add_argument("--config", type=Path, help="YAML whose keys are the flag names below (snake_case)")
+        p.add_argument("--address-file", type=Path, help=argparse.SUPPRESS)
+        add_flags(p, settings)
+
+
+def _flags(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(args).items() if k not in ("command", "config", "address_file")}
+
+
+def run_role(args: argparse.Namespace) -> int:
+    from router import roles
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.command} %(levelname)s %(message)s")
+    settings = load(ROLES[args.command], args.config, _flags(args))
+    if args.command == "verifier":
+        asyncio.run(roles.run_verifier(settings, args.address_file))
+    elif args.command == "drafter":
+        asyncio.run(roles.run_drafter(settings, args.address_file))
+    else:
+        asyncio.run(roles.run_router(settings))
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from router import roles
+    from router.launcher import start_tier
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
+    settings = serve_settings(args)
+    tiers = []
+    try:
+        verifier = start_tier("verifier", settings.verifier)
+        tiers.append(verifier)
+        router = settings.router.model_copy(update={"verifier": verifier.address})
+        if settings.router.method != "none":
+            drafter = start_tier("drafter", settings.drafter)
+            tiers.append(drafter)
+            router = router.model_copy(update={"drafter": drafter.address})
+        else:
+            router = router.model_copy(update={"drafter": None})
+        logging.info("OpenAI API on http://%s:%d/v1 (model %s)", router.host, router.port, router.model)
+        asyncio.run(roles.run_router(router))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for tier in tiers:
+            tier.stop()
+    return 0
+
+
+def serve_settings(args: argparse.Namespace) -> ServeSettings:
+    """The file's sections, then `serve`'s flags: model and tracing go to every role, the rest to the router."""
+    flags = _flags(args)
+    base = load(ServeSettings, args.config, {})
+    common = {k: flags.pop(k) for k in ("model", "traces", "otlp_traces_endpoint") if k in flags}
+    if "api_key" in flags:
+        flags["api_key"] = [flags["api_key"]]
+    # The gRPC tiers are private to this host: loopback, free ports.
+    sections = {"verifier": {"port": 0, "host": "127.0.0.1", **common},
+                "drafter": {"port": 0, "host": "127.0.0.1", **common}, "router": {**flags, **common}}
+    merged = {name: {**getattr(base, name).model_dump(exclude_unset=True), **extra}
+              for name, extra in sections.items()}
+    return load(ServeSettings, None, merged)
