@@ -1,0 +1,192 @@
+"""The tiered system end to end: verifier and drafter in their own processes, real loopback gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import torch
+
+from protos import codec
+from protos.dspark.v1 import dspark_pb2 as pb
+from protos.dspark.v1 import dspark_pb2_grpc as rpc
+from protos.serving import channel
+from router.grpc_tiers import GrpcDrafter, GrpcVerifier
+from router.launcher import start_tier
+from router.policy import Policy
+from router.roles import verifier_service
+from router.router import Router, RouterConfig
+from router.session import RouterRequest, Speculation
+from router.tiers import LocalVerifier
+from services.errors import TierUnavailableError
+from services.registry import resolve_model
+from services.tokenizer import TextTokenizer
+from services.types import SamplingParams
+from tests.tiers import PROMPTS, TARGET, drafter_settings, plain_greedy, verifier_settings
+
+METHODS = {"dspark", "dflash", "eagle3", "mtp"}
+MIX = [("none", "none"), ("dspark", "fixed"), ("mtp", "mtp1"), ("eagle3", "fixed"), ("dflash", "threshold"),
+       ("dspark", "threshold")]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return TextTokenizer.from_dir(resolve_model(TARGET))
+
+
+@pytest.fixture(scope="module")
+def tiers():
+    verifier = start_tier("verifier", verifier_settings())
+    drafter = start_tier("drafter", drafter_settings())
+    yield verifier, drafter
+    verifier.stop()
+    drafter.stop()
+
+
+def _requests(tokenizer, n: int) -> list[RouterRequest]:
+    out = []
+    for i in range(n):
+        method, policy = MIX[i % len(MIX)]
+        out.append(RouterRequest(tokenizer.encode(PROMPTS[i % len(PROMPTS)]), SamplingParams(max_tokens=8 + 7 * i),
+                                 request_id=f"req-{i}", stop_token_ids=tokenizer.eos_token_ids,
+                                 speculative={"method": method, "policy": policy, "gamma": 7}))
+    return out
+
+
+async def _collect(router: Router, request: RouterRequest, on_chunk=None) -> list[int]:
+    tokens = []
+    async for chunk in router.generate(request):
+        tokens += chunk.token_ids
+        if on_chunk is not None:
+            on_chunk(chunk)
+    return tokens
+
+
+def _router(verifier, drafter, tokenizer) -> Router:
+    return Router(verifier, drafter, METHODS, RouterConfig(default=Speculation("dspark", Policy.FIXED, 7)), tokenizer)
+
+
+def test_concurrent_mixed_requests_equal_in_process_plain_greedy(tiers, tokenizer):
+    requests = _requests(tokenizer, 12)
+
+    async def run():
+        verifier, drafter = GrpcVerifier(tiers[0].address), GrpcDrafter(tiers[1].address)
+        router = _router(verifier, drafter, tokenizer)
+        outputs = await asyncio.gather(*[_collect(router, r) for r in requests])
+        load, dload = await verifier.load(), await drafter.load()
+        accepted = router.metrics.num_accepted_tokens.labels("")._value.get()
+        await verifier.close()
+        await drafter.close()
+        return outputs, load, dload, accepted
+
+    outputs, load, dload, accepted = asyncio.run(run())
+    assert outputs == plain_greedy([r.prompt_ids for r in requests], [r.params.max_tokens for r in requests])
+    assert accepted > 0  # the drafters really drafted over the wire
+    assert load.running == 0 and load.kv_used == 0 and dload.contexts == 0  # every session released
+
+
+def test_killing_the_drafter_mid_stream_keeps_every_request_exact(tiers, tokenizer):
+    drafter_proc = start_tier("drafter", drafter_settings())
+    requests = [RouterRequest(tokenizer.encode(p), SamplingParams(max_tokens=40), request_id=f"kill-{i}",
+                              stop_token_ids=tokenizer.eos_token_ids) for i, p in enumerate(PROMPTS)]
+    chunks = []
+
+    def on_chunk(chunk):
+        chunks.append(chunk)
+        if len(chunks) == 8:
+            drafter_proc.kill()
+
+    async def run():
+        verifier, drafter = GrpcVerifier(tiers[0].address), GrpcDrafter(drafter_proc.address, timeout_s=2.0)
+        router = _router(verifier, drafter, tokenizer)
+        outputs = await asyncio.gather(*[_collect(router, r, on_chunk) for r in requests])
+        detached = router.metrics.drafter_detached.labels("")._value.get()
+        await verifier.close()
+        await drafter.close()
+        return outputs, detached
+
+    try:
+        outputs, detached = asyncio.run(run())
+    finally:
+        drafter_proc.stop()
+    assert drafter_proc.process.returncode is not None and detached > 0
+    assert outputs == plain_greedy([r.prompt_ids for r in requests], [40] * len(requests))
+
+
+def test_stale_cycles_and_bad_blocks_are_rejected_and_change_nothing(tiers):
+    async def run():
+        async with channel(tiers[0].address) as ch:
+            stub = rpc.VerifierStub(ch)
+            pre = await stub.Prefill(pb.PrefillRequest(request_id="s", prompt_ids=[1, 5, 9],
+                                                       params=pb.SamplingParams(max_tokens=8)), timeout=30)
+            assert list(pre.features.shape)[0] == 3 and len(pre.emitted) == 1
+            codes = []
+            for cycle, draft in ((2, pb.DraftBlock()), (1, pb.DraftBlock(tokens=[10**6]))):
+                call = stub.Verify()
+                await call.write(pb.VerifyRequest(request_id="s", cycle=cycle, draft=draft))
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call.read()
+                codes.append(info.value.code())
+            assert (await stub.Load(pb.LoadRequest())).running == 1  # still held, untouched
+            call = stub.Verify()
+            await call.write(pb.VerifyRequest(request_id="s", cycle=1, draft=pb.DraftBlock(tokens=[3, 4])))
+            reply = await call.read()
+            call.cancel()  # the client goes away: the server frees the slot
+            for _ in range(50):
+                if (await stub.Load(pb.LoadRequest())).running == 0:
+                    break
+                await asyncio.sleep(0.1)
+            return codes, reply, await stub.Load(pb.LoadRequest())
+
+    codes, reply, load = asyncio.run(run())
+    assert codes == [grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT]
+    assert reply.cycle == 1 and reply.num_drafts == 2 and len(reply.emitted) == reply.num_accepted + 1
+    assert load.running == 0 and load.kv_used == 0
+
+
+def test_drafter_rejects_inconsistent_context(tiers):
+    async def run():
+        async with channel(tiers[1].address) as ch:
+            stub = rpc.DrafterStub(ch)
+            bad = pb.OpenRequest(request_id="d", context_ids=[1, 2, 3], params=pb.SamplingParams(max_tokens=4),
+                                 features=codec.tensor_to_pb(torch.zeros(1, 8)))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Open(bad, timeout=10)
+            return info.value.code(), await stub.Load(pb.LoadRequest())
+
+    code, load = asyncio.run(run())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and load.contexts == 0
+
+
+class _FlakyVerifier(LocalVerifier):
+    """Loses the request (as a restarted replica would) on its third verify call."""
+
+    calls = 0
+
+    async def verify(self, request_id, cycle, draft, traceparent):
+        self.calls += 1
+        if self.calls == 3:
+            await self.service.release(request_id)
+            raise TierUnavailableError("replica restarted")
+        return await super().verify(request_id, cycle, draft, traceparent)
+
+
+def test_a_lost_verifier_is_replaced_by_a_re_prefill_from_committed_tokens(tokenizer):
+    prompt = tokenizer.encode(PROMPTS[0])
+
+    async def run():
+        service = verifier_service(verifier_settings())
+        await service.start()
+        router = Router(_FlakyVerifier(service), None, set(), RouterConfig(), tokenizer)
+        tokens = await _collect(router, RouterRequest(prompt, SamplingParams(max_tokens=30),
+                                                      stop_token_ids=tokenizer.eos_token_ids))
+        reprefills = router.metrics.verifier_reprefills.labels("")._value.get()
+        await service.stop()
+        return tokens, reprefills
+
+    t0 = time.perf_counter()
+    tokens, reprefills = asyncio.run(run())
+    assert reprefills == 1 and time.perf_counter() - t0 < 120
+    assert tokens == plain_greedy([prompt], [30])[0]

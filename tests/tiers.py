@@ -1,0 +1,73 @@
+"""Helpers for tests of the tiered system: tier processes, an HTTP server thread, plain greedy baselines."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from contextlib import contextmanager
+
+import uvicorn
+
+from router.http_api import ApiConfig, build_app
+from router.local import GenerationRequest, LocalRouter
+from router.roles import build_router, tier_health
+from router.serve_config import DrafterSettings, RouterSettings, VerifierSettings
+from services.loader import load_model
+from services.registry import resolve_model
+from services.tokenizer import TextTokenizer
+from services.types import SamplingParams
+from verifier_worker.engine import Engine, EngineConfig
+
+TARGET = "dspark-target"
+PROMPTS = ["def fibonacci(n):", "import os\n\n", "<|user|>\nWhat is 12 + 30?<|end|>\n<|assistant|>\n",
+           "class Stack:\n    def push(self, item):", "The quick brown fox", "for i in range(10):"]
+
+
+def verifier_settings(**kw) -> VerifierSettings:
+    return VerifierSettings(**{"dtype": "float32", "port": 0, "threads": 1, "num_slots": 8, "max_len": 512, **kw})
+
+
+def drafter_settings(**kw) -> DrafterSettings:
+    return DrafterSettings(**{"dtype": "float32", "port": 0, "threads": 1, **kw})
+
+
+def plain_greedy(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """In-process plain greedy decoding (fp32): the reference every tiered output must equal."""
+    tok = TextTokenizer.from_dir(resolve_model(TARGET))
+    engine = Engine(load_model(resolve_model(TARGET), "float32", "cpu"), EngineConfig(num_slots=8, max_len=512))
+    reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=m), stop_token_ids=tok.eos_token_ids)
+            for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]
+    return [r.token_ids for r in LocalRouter(engine).generate(reqs)]
+
+
+@contextmanager
+def api_server(settings: RouterSettings, tracer=None):
+    """The router's HTTP API on a free loopback port, in a thread with its own event loop → base URL."""
+    state: dict = {}
+
+    async def main():
+        router, tokenizer, verifier, drafter = build_router(settings, tracer)
+        app = build_app(router, tokenizer, ApiConfig(router.model, settings.max_model_len,
+                                                     tuple(settings.api_key or ())),
+                        lambda: tier_health(verifier, drafter), tracer)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        state.update(server=server, router=router)
+        await server.serve()
+        await verifier.close()
+        if drafter is not None:
+            await drafter.close()
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not (state.get("server") and state["server"].started):
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("HTTP server did not start")
+        time.sleep(0.05)
+    port = state["server"].servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", state["router"]
+    finally:
+        state["server"].should_exit = True
+        thread.join(10)
