@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -31,6 +32,7 @@ from services.data.chat_format import render
 from services.errors import CapacityError, InvalidRequestError, TierUnavailableError
 from services.tokenizer import TextTokenizer
 
+log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 GUARDED = ("/v1",)  # /health, /metrics and /version stay open for probes and scrapers
 
@@ -64,23 +66,42 @@ def _error_response(error: Exception) -> JSONResponse:
     return JSONResponse(error_body(f"internal error ({type(error).__name__})", "InternalServerError"), 500)
 
 
+class AuthAndRequestId:
+    """Pure ASGI middleware (BaseHTTPMiddleware would feed SSE a spurious disconnect): checks
+    `Authorization: Bearer KEY` on /v1 by SHA-256 digest and constant-time compare, and echoes or assigns
+    `X-Request-Id` (also the root of our internal request id)."""
+
+    def __init__(self, app, digests: list[bytes]):
+        self.app, self.digests = app, digests
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.digests and scope["path"].startswith(GUARDED) and scope["method"] != "OPTIONS":
+            header = headers.get("authorization", "")
+            given = hashlib.sha256(header.removeprefix("Bearer ").encode()).digest()
+            if not header.startswith("Bearer ") or not any([secrets.compare_digest(given, d) for d in self.digests]):
+                response = JSONResponse(error_body("Unauthorized", "AuthenticationError", code="invalid_api_key"), 401)
+                return await response(scope, receive, send)
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
               health: Callable[[], Awaitable[dict[str, bool]]], tracer: trace.Tracer | None = None) -> FastAPI:
     app = FastAPI(title="dspark", version=VERSION)
     tracer = tracer or trace.NoOpTracer()
     digests = [hashlib.sha256(k.encode()).digest() for k in config.api_keys]
 
-    @app.middleware("http")
-    async def auth_and_request_id(request: Request, call_next):
-        if digests and request.url.path.startswith(GUARDED) and request.method != "OPTIONS":
-            header = request.headers.get("authorization", "")
-            given = hashlib.sha256(header.removeprefix("Bearer ").encode()).digest()
-            if not header.startswith("Bearer ") or not any([secrets.compare_digest(given, d) for d in digests]):
-                return JSONResponse(error_body("Unauthorized", "AuthenticationError", code="invalid_api_key"), 401)
-        request.state.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        response = await call_next(request)
-        response.headers["X-Request-Id"] = request.state.request_id
-        return response
+    app.add_middleware(AuthAndRequestId, digests=digests)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError):
@@ -116,9 +137,10 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
                            "max_tokens", "context_length_exceeded")
         stops = () if body.ignore_eos else tuple(tokenizer.eos_token_ids)
         spec = body.speculative.model_dump(exclude_none=True) if body.speculative else None
-        req = RouterRequest(prompt_ids=prompt_ids, params=body.sampling(max_tokens),
-                            request_id=f"{request.state.request_id}-{uuid.uuid4().hex[:8]}", stop=tuple(body.stop or ()),
-                            stop_token_ids=(*stops, *(body.stop_token_ids or ())), speculative=spec)
+        rid = f"{request.state.request_id}-{uuid.uuid4().hex[:8]}"  # unique even if a client reuses its id
+        req = RouterRequest(prompt_ids=prompt_ids, params=body.sampling(max_tokens), request_id=rid,
+                            stop=tuple(body.stop or ()), stop_token_ids=(*stops, *(body.stop_token_ids or ())),
+                            speculative=spec)
         router.speculation(spec)  # 400 now for options this deployment does not serve
         router.check_capacity()
         return req
@@ -156,6 +178,10 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
                             yield json.dumps(shape.chunk(chunk))
             except (InvalidRequestError, CapacityError, TierUnavailableError) as error:
                 yield json.dumps(error_body(str(error), type(error).__name__))
+                return
+            except Exception as error:
+                log.exception("request %s failed", req.request_id)
+                yield json.dumps(error_body(f"internal error ({type(error).__name__})", "InternalServerError"))
                 return
             if include_usage:
                 yield json.dumps(shape.usage_chunk(len(req.prompt_ids), completion))

@@ -61,7 +61,7 @@ class Router:
 
     def check_capacity(self) -> None:
         """CapacityError when a new request would find the queue full (the API answers 429)."""
-        if self.waiting >= self.config.max_queue:
+        if self.running + self.waiting >= self.config.max_running + self.config.max_queue:
             self.metrics.rejected.labels(self.model, "queue_full").inc()
             raise CapacityError(f"router queue is full ({self.config.max_queue} waiting)")
 

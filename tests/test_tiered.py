@@ -121,7 +121,7 @@ def test_stale_cycles_and_bad_blocks_are_rejected_and_change_nothing(tiers):
             stub = rpc.VerifierStub(ch)
             pre = await stub.Prefill(pb.PrefillRequest(request_id="s", prompt_ids=[1, 5, 9],
                                                        params=pb.SamplingParams(max_tokens=8)), timeout=30)
-            assert list(pre.features.shape)[0] == 3 and len(pre.emitted) == 1
+            assert tuple(pre.features.shape)[:1] == (3,) and len(pre.emitted) == 1
             codes = []
             for cycle, draft in ((2, pb.DraftBlock()), (1, pb.DraftBlock(tokens=[10**6]))):
                 call = stub.Verify()

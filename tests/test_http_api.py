@@ -1,0 +1,154 @@
+"""The OpenAI-compatible HTTP API over the tiered system (tier processes, real HTTP, the openai client)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from protos.dspark.v1 import dspark_pb2 as pb
+from protos.dspark.v1 import dspark_pb2_grpc as rpc
+from protos.serving import channel
+from router.launcher import start_tier
+from router.serve_config import RouterSettings
+from services.data.chat_format import render
+from services.registry import resolve_model
+from services.tokenizer import TextTokenizer
+from tests.tiers import TARGET, api_server, drafter_settings, plain_greedy, verifier_settings
+
+KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def tiers():
+    verifier = start_tier("verifier", verifier_settings())
+    drafter = start_tier("drafter", drafter_settings())
+    yield verifier.address, drafter.address
+    verifier.stop()
+    drafter.stop()
+
+
+@pytest.fixture(scope="module")
+def api(tiers):
+    settings = RouterSettings(verifier=tiers[0], drafter=tiers[1], api_key=[KEY], max_model_len=512)
+    with api_server(settings) as (url, router):
+        yield url, router
+
+
+@pytest.fixture(scope="module")
+def client(api):
+    return openai.OpenAI(base_url=api[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return TextTokenizer.from_dir(resolve_model(TARGET))
+
+
+def _loads(tiers) -> tuple[pb.LoadReply, pb.DrafterLoadReply]:
+    async def run():
+        async with channel(tiers[0]) as v, channel(tiers[1]) as d:
+            return await rpc.VerifierStub(v).Load(pb.LoadRequest()), await rpc.DrafterStub(d).Load(pb.LoadRequest())
+    return asyncio.run(run())
+
+
+def test_completions_through_the_openai_client_equal_plain_greedy(client, tokenizer):
+    prompt = "def fibonacci(n):"
+    out = client.completions.create(model=TARGET, prompt=prompt, max_tokens=40, temperature=0)
+    expected = plain_greedy([tokenizer.encode(prompt)], [40])[0]
+    assert out.choices[0].text == tokenizer.decode(expected)
+    assert out.usage.completion_tokens == len(expected) and out.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    stream = client.completions.create(model=TARGET, prompt=prompt, max_tokens=40, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == out.choices[0].text
+
+
+def test_chat_streaming_with_usage_matches_non_streaming(client, tokenizer):
+    messages = [{"role": "user", "content": "What is 12 + 30?"}]
+    full = client.chat.completions.create(model=TARGET, messages=messages, max_tokens=30, temperature=0,
+                                          extra_body={"speculative": {"method": "eagle3", "gamma": 5}})
+    chunks = list(client.chat.completions.create(model=TARGET, messages=messages, max_tokens=30, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content and chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    expected = plain_greedy([tokenizer.encode(render(messages, add_generation_prompt=True))], [30])[0]
+    assert full.choices[0].message.content == tokenizer.decode(expected)
+    assert len(chunks) < len(expected)  # one chunk per cycle: accepted drafts arrive together
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "gpt-4", "prompt": "x"}, "model"),
+    ({"model": TARGET, "prompt": "x", "temperature": 5}, "temperature"),
+    ({"model": TARGET, "prompt": "x", "top_p": 0}, "top_p"),
+    ({"model": TARGET, "prompt": "x", "max_tokens": 2000}, "max_tokens"),
+    ({"model": TARGET, "prompt": "x", "n": 2}, "n"),
+    ({"model": TARGET, "prompt": "x", "logprobs": 3}, "logprobs"),
+    ({"model": TARGET, "prompt": [1, 10**7]}, "prompt"),
+    ({"model": TARGET, "prompt": "x", "speculative": {"method": "medusa"}}, None),
+    ({"model": TARGET, "prompt": "x", "speculative": {"gamma": 99}}, None),
+    ({"model": TARGET, "messages": []}, "messages"),
+])
+def test_bad_input_is_an_openai_shaped_400_and_changes_nothing(api, tiers, body, param):
+    before = _loads(tiers)[0].steps
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = httpx.post(api[0] + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"] == "BadRequestError"
+    if param is not None:
+        assert error["param"] == param
+    assert _loads(tiers)[0].steps == before
+
+
+def test_api_key_is_required_on_v1_but_not_on_probes(api):
+    url = api[0]
+    assert httpx.get(url + "/v1/models").status_code == 401
+    wrong = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    ok = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "abc-123"})
+    assert ok.json()["data"][0]["id"] == TARGET and ok.headers["x-request-id"] == "abc-123"
+    assert httpx.get(url + "/health").json()["tiers"] == {"verifier": True, "drafter": True}
+    metrics = httpx.get(url + "/metrics").text
+    assert "dspark:spec_decode_num_accepted_tokens_per_pos_total" in metrics and "time_to_first_token" in metrics
+
+
+def test_client_disconnect_frees_kv_slot_and_draft_context(api, tiers):
+    url, router = api
+    finished = router.metrics.requests.labels(TARGET, "length")._value.get()
+    body = {"model": TARGET, "prompt": "import os\n", "max_tokens": 480, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+        lines = r.iter_lines()  # keep the iterator: dropping it closes the response
+        next(lines)
+        deadline = time.monotonic() + 10  # the first token precedes the drafter's context: wait for both
+        while time.monotonic() < deadline and not (_loads(tiers)[0].running and _loads(tiers)[1].contexts):
+            time.sleep(0.05)
+        load, dload = _loads(tiers)
+        assert load.running == 1 and dload.contexts == 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (_loads(tiers)[0].running or _loads(tiers)[1].contexts):
+        time.sleep(0.1)
+    load, dload = _loads(tiers)
+    assert load.running == 0 and load.kv_used == 0 and dload.contexts == 0
+    assert router.metrics.requests.labels(TARGET, "length")._value.get() == finished  # it did not just finish
+
+
+def test_a_full_queue_answers_429_with_retry_after(tiers):
+    settings = RouterSettings(verifier=tiers[0], drafter=tiers[1], max_running=1, max_queue=0, max_model_len=512)
+    body = {"model": TARGET, "prompt": "import os\n", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with api_server(settings) as (url, _), httpx.stream("POST", url + "/v1/completions", json=body) as first:
+        lines = first.iter_lines()
+        next(lines)
+        second = httpx.post(url + "/v1/completions", json={**body, "stream": False})
+        assert second.status_code == 429 and second.headers["retry-after"] == "1"
+        assert second.json()["error"]["type"] == "RateLimitError"
+
+
+def test_health_is_503_when_a_tier_is_down(tiers):
+    settings = RouterSettings(verifier=tiers[0], drafter="127.0.0.1:9", max_model_len=512)
+    with api_server(settings) as (url, _):
+        r = httpx.get(url + "/health")
+    assert r.status_code == 503 and r.json()["tiers"] == {"verifier": True, "drafter": False}
