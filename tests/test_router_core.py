@@ -1,0 +1,86 @@
+"""Router-core pieces without tiers: stop strings, speculative options, the threshold policy, drafter deltas."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from drafter_worker.service import DrafterService
+from router.policy import Policy, choose_verify_len
+from router.session import Speculation, resolve
+from router.text_stream import TextStream
+from services.errors import InvalidRequestError, StaleCycleError
+from services.registry import resolve_model
+from services.tokenizer import TextTokenizer
+from services.types import DraftBlock, SamplingParams
+from tests.drafters import RandomProposer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return TextTokenizer.from_dir(resolve_model("dspark-target"))
+
+
+def test_stop_string_cuts_text_and_later_tokens(tok):
+    ids = tok.encode("hello world. Goodbye")[1:]  # without BOS
+    stream = TextStream(tok, stop=("world",))
+    texts, kept = [], []
+    for i in range(0, len(ids), 2):
+        k, t = stream.feed(ids[i : i + 2])
+        kept += k
+        texts.append(t)
+    texts.append(stream.flush())
+    assert stream.stopped and "".join(texts) == "hello " and len(kept) < len(ids)
+    assert "world" in tok.decode(kept)  # tokens run up to the one completing the stop string
+
+
+def test_text_that_could_start_a_stop_string_is_held_back(tok):
+    ids = tok.encode("abc STO")[1:]
+    stream = TextStream(tok, stop=("STOP",))
+    _, text = stream.feed(ids)
+    assert text == "abc " and stream.flush() == "STO"
+
+
+def test_speculative_options_within_the_deployment():
+    default = Speculation("dspark", Policy.FIXED, 7)
+    methods = {"dspark", "mtp"}
+    assert resolve(None, default, methods, 16) == default
+    assert resolve({"method": "mtp", "policy": "mtp1"}, default, methods, 16) == Speculation("mtp", Policy.MTP1, 1)
+    assert resolve({"method": "none"}, default, methods, 16) == Speculation("none", Policy.NONE, 7)
+    for bad in ({"method": "eagle3"}, {"gamma": 17}, {"policy": "magic"}, {"method": "none", "policy": "fixed"},
+                {"colour": 1}):
+        with pytest.raises(InvalidRequestError):
+            resolve(bad, default, methods, 16)
+
+
+def test_threshold_policy_reads_only_the_confidences_of_the_prefix():
+    block = DraftBlock(tokens=[5, 6, 7, 8], confidences=[0.9, 0.8, 0.3, 0.9])
+    assert choose_verify_len(Policy.THRESHOLD, block, 4, 0.5) == 2  # a_3 = 0.216 < 0.5
+    assert choose_verify_len(Policy.THRESHOLD, block, 1, 0.5) == 1  # the budget bound comes first
+    assert choose_verify_len(Policy.FIXED, block, 4, 0.5) == 4
+    # Changing the tokens (and anything after the cut) leaves ℓ unchanged: non-anticipating.
+    other = DraftBlock(tokens=[1, 2, 3, 4], confidences=[0.9, 0.8, 0.3, 0.0])
+    assert choose_verify_len(Policy.THRESHOLD, other, 4, 0.5) == 2
+    assert choose_verify_len(Policy.THRESHOLD, DraftBlock(tokens=[1, 2]), 4, 0.5) == 2  # no head: all of it
+
+
+def test_drafter_service_rejects_stale_cycles_and_gaps_in_features():
+    async def run():
+        service = DrafterService({"random": RandomProposer(96)}, {"random": 4})
+        await service.start()
+        await service.open("r", [1, 2, 3], torch.zeros(2, 4), SamplingParams())
+        block = await service.draft("r", 1, [7, 8], 2, torch.zeros(2, 4), 3)
+        errors = []
+        for args in ((1, [9], 4, torch.zeros(1, 4), 3), (2, [9], 5, torch.zeros(1, 4), 3), (2, [9], 4, None, 3)):
+            with pytest.raises((StaleCycleError, InvalidRequestError)) as info:
+                await service.draft("r", *args)
+            errors.append(info.type)
+        ok = await service.draft("r", 3, [9], 4, torch.zeros(1, 4), 2)  # gaps in cycle numbers are fine
+        await service.stop()
+        return block, errors, ok
+
+    block, errors, ok = asyncio.run(run())
+    assert len(block) == 3 and len(ok) == 2
+    assert errors == [StaleCycleError, InvalidRequestError, InvalidRequestError]
