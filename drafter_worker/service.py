@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter_worker.proposer import Proposer
+from services.batching import gather_window
 from services.errors import InvalidRequestError, StaleCycleError, TierUnavailableError
 from services.types import DraftBlock, SamplingParams
 
@@ -48,10 +49,12 @@ class _Queued:
 
 
 class DrafterService:
-    def __init__(self, proposers: dict[str, Proposer], block_sizes: dict[str, int], ema: float = 0.1):
+    def __init__(self, proposers: dict[str, Proposer], block_sizes: dict[str, int], batch_window_s: float = 0.005,
+                 ema: float = 0.1):
         if not proposers:
             raise ValueError("a drafter replica needs at least one proposer")
         self.proposers, self.block_sizes, self._ema = proposers, block_sizes, ema
+        self.batch_window_s = batch_window_s
         self.default_method = next(iter(proposers))
         self._sessions: dict[str, _Session] = {}
         self._queue: list[_Queued] = []
@@ -152,6 +155,7 @@ class DrafterService:
     async def _loop(self) -> None:
         while True:
             await self._wake.wait()
+            await gather_window(self._wake, self._all_queued, self.batch_window_s)
             self._wake.clear()
             async with self._lock:
                 batch, self._queue = self._queue, []
@@ -169,6 +173,9 @@ class DrafterService:
             for item in batch:
                 if not item.done.done():
                     item.done.set_result(blocks.get(item.request_id, DraftBlock(tokens=[])))
+
+    def _all_queued(self) -> bool:
+        return len({item.request_id for item in self._queue}) >= len(self._sessions)
 
     def _propose_all(self, batch: list[_Queued]) -> dict[str, DraftBlock]:
         """One batched propose per (method, γ) group of the queued requests."""

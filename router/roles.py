@@ -53,7 +53,7 @@ def verifier_service(s: VerifierSettings) -> VerifierService:
     model = load_model(model_dir, s.dtype, None if s.device == "auto" else s.device, tap_layers=taps)
     engine = Engine(model, EngineConfig(num_slots=s.num_slots, max_len=s.max_len, max_batch_tokens=s.max_batch_tokens,
                                         max_waiting=s.max_waiting))
-    return VerifierService(engine, model_dir.name, s.lease_s)
+    return VerifierService(engine, model_dir.name, s.lease_s, s.batch_window_ms / 1000)
 
 
 def drafter_service(s: DrafterSettings) -> DrafterService:
@@ -74,7 +74,7 @@ def drafter_service(s: DrafterSettings) -> DrafterService:
         model, calibration = load_drafter(name, target, s.dtype, device)
         proposers[method], block_sizes[method] = Drafter(model, calibration, s.max_q, s.seed), cfg.block_size
     order = sorted(proposers, key=lambda m: m != "dspark")  # dspark first: the default method
-    return DrafterService({m: proposers[m] for m in order}, block_sizes)
+    return DrafterService({m: proposers[m] for m in order}, block_sizes, s.batch_window_ms / 1000)
 
 
 async def run_verifier(s: VerifierSettings, port_file: Path | None = None) -> None:

@@ -36,6 +36,7 @@ class VerifierSettings(_Settings):
     max_waiting: int = Field(256, ge=0, description="requests queued for a slot before RESOURCE_EXHAUSTED")
     tap_layers: list[int] | None = Field(None, description="feature taps; default: the drafters' (1, n/2, n−2)")
     lease_s: float = Field(60.0, gt=0, description="free requests prefilled but never attached to a stream")
+    batch_window_ms: float = Field(5.0, ge=0, description="how long a step waits for the rest of its sessions")
     profile: bool = Field(False, description="measure the SPS(B) table at start-up")
     traces: Traces = "none"
     otlp_traces_endpoint: str | None = None
@@ -50,6 +51,7 @@ class DrafterSettings(_Settings):
     device: str = "auto"
     threads: int = Field(0, ge=0)
     max_q: int = Field(64, ge=1, description="support size K of the sparse draft distribution q'")
+    batch_window_ms: float = Field(5.0, ge=0, description="how long a propose waits for the rest of its sessions")
     seed: int = 0
     traces: Traces = "none"
     otlp_traces_endpoint: str | None = None

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.batching import gather_window
 from services.errors import InvalidRequestError, StaleCycleError, TierUnavailableError
 from services.types import DraftBlock, OutcomeKind, SamplingParams, StepOutput
 from verifier_worker.engine import Engine
@@ -57,8 +58,10 @@ class _Session:
 
 
 class VerifierService:
-    def __init__(self, engine: Engine, model_name: str = "", lease_s: float = 60.0, ema: float = 0.1):
+    def __init__(self, engine: Engine, model_name: str = "", lease_s: float = 60.0, batch_window_s: float = 0.005,
+                 ema: float = 0.1):
         self.engine, self.model_name, self.lease_s, self._ema = engine, model_name, lease_s, ema
+        self.batch_window_s = batch_window_s
         self._sessions: dict[str, _Session] = {}
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
@@ -154,6 +157,7 @@ class VerifierService:
     async def _loop(self) -> None:
         while True:
             await self._wake.wait()
+            await gather_window(self._wake, self._all_submitted, self.batch_window_s)
             self._wake.clear()
             while self.engine.has_work():
                 async with self._lock:
@@ -164,6 +168,10 @@ class VerifierService:
                         self._deliver(out)
                 if not outputs:
                     break  # waiting requests with every slot taken by idle sessions: wait for a release
+
+    def _all_submitted(self) -> bool:
+        """Every session with a stream has its next cycle queued."""
+        return not any(s.streams > 0 and s.waiter is None for s in self._sessions.values())
 
     def _record(self, ms: float) -> None:
         self.steps += 1

@@ -1,0 +1,146 @@
+"""Tier overhead: what splitting drafter and verifier into gRPC services costs per cycle.
+
+The same greedy workload (shipped target + shipped DSpark drafter, γ = 7, fixed policy, fp32) runs
+three ways in one run, at each concurrency c:
+  in-process  — `LocalRouter`: one synchronous loop over the engine and the drafter (no asyncio, no RPC);
+  async-local — the tiered router and the async tier cores in this process (asyncio, no RPC);
+  tiered      — verifier and drafter in their own processes, the router here, real loopback gRPC.
+Per-cycle time = wall time / cycles of one request (the c requests run their cycles side by side).
+Overhead = tiered − in-process per cycle, in ms and as a share of the verifier's own step time.
+Every tier uses one torch thread so the three arms do the same arithmetic on this 2-vCPU machine.
+
+    python benchmarks/tier_overhead.py [--concurrency 1,8] [--max-tokens 64] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import time
+
+import torch
+
+from drafter_worker.drafter import Drafter
+from router.grpc_tiers import GrpcDrafter, GrpcVerifier
+from router.launcher import start_tier
+from router.local import GenerationRequest, LocalRouter
+from router.policy import Policy
+from router.roles import drafter_service, verifier_service
+from router.router import Router, RouterConfig
+from router.serve_config import DrafterSettings, VerifierSettings
+from router.session import RouterRequest, Speculation
+from router.tiers import LocalDrafter, LocalVerifier
+from services.registry import resolve_model
+from services.tokenizer import TextTokenizer
+from services.types import SamplingParams
+
+PROMPTS = ["def fibonacci(n):", "import os\n\n", "class Stack:\n    def push(self, item):", "for i in range(10):",
+           "<|user|>\nWhat is 12 + 30?<|end|>\n<|assistant|>\n", "The quick brown fox", "def main():\n",
+           "import numpy as np\n"]
+DRAFTER = "dspark-target-dspark"
+
+
+def settings():
+    v = VerifierSettings(dtype="float32", port=0, threads=1, num_slots=8, max_len=512)
+    d = DrafterSettings(dtype="float32", port=0, threads=1, drafters=[DRAFTER])
+    return v, d
+
+
+def prompts(tok, c: int) -> list[list[int]]:
+    return [tok.encode(PROMPTS[i % len(PROMPTS)]) for i in range(c)]
+
+
+def in_process(tok, c: int, max_tokens: int) -> tuple[float, int, float]:
+    v, d = settings()
+    verifier = verifier_service(v)
+    drafter: Drafter = drafter_service(d).proposers["dspark"]
+    router = LocalRouter(verifier.engine, drafter, Policy.FIXED, 7)
+    reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=max_tokens), ()) for i, p in enumerate(
+        prompts(tok, c))]
+    router.generate(reqs)  # warm-up
+    t0 = time.perf_counter()
+    results = router.generate([GenerationRequest(f"m{r.request_id}", r.prompt_ids, r.params, ()) for r in reqs])
+    return time.perf_counter() - t0, sum(r.cycles for r in results), sum(r.cycle_tokens for r in results)
+
+
+async def tiered_run(verifier, drafter, tok, c: int, max_tokens: int, tag: str) -> tuple[float, int]:
+    router = Router(verifier, drafter, {"dspark"}, RouterConfig(default=Speculation("dspark", Policy.FIXED, 7)), tok)
+
+    async def one(i, p):
+        cycles = 0
+        req = RouterRequest(p, SamplingParams(max_tokens=max_tokens), request_id=f"{tag}{i}")
+        async for chunk in router.generate(req):
+            cycles = chunk.cycle
+        return cycles
+
+    t0 = time.perf_counter()
+    cycles = await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts(tok, c))])
+    return time.perf_counter() - t0, sum(cycles)
+
+
+async def async_local(tok, c: int, max_tokens: int):
+    v, d = settings()
+    vs, ds = verifier_service(v), drafter_service(d)
+    await vs.start()
+    await ds.start()
+    await tiered_run(LocalVerifier(vs), LocalDrafter(ds), tok, c, max_tokens, "w")
+    out = await tiered_run(LocalVerifier(vs), LocalDrafter(ds), tok, c, max_tokens, "m")
+    await vs.stop()
+    await ds.stop()
+    return out
+
+
+async def over_grpc(addresses, tok, c: int, max_tokens: int):
+    verifier, drafter = GrpcVerifier(addresses[0]), GrpcDrafter(addresses[1])
+    await tiered_run(verifier, drafter, tok, c, max_tokens, "w")
+    out = await tiered_run(verifier, drafter, tok, c, max_tokens, "m")
+    load = await verifier.load()
+    await verifier.close()
+    await drafter.close()
+    return (*out, load.step_ms_ema)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--json", default="benchmarks/results/tier-overhead-cpu.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    tok = TextTokenizer.from_dir(resolve_model("dspark-target"))
+    v, d = settings()
+    tiers = [start_tier("verifier", v), start_tier("drafter", d)]
+    rows = []
+    try:
+        for c in (int(x) for x in args.concurrency.split(",")):
+            wall_in, cycles_in, _ = in_process(tok, c, args.max_tokens)
+            wall_al, cycles_al = asyncio.run(async_local(tok, c, args.max_tokens))
+            wall_rpc, cycles_rpc, step_ms = asyncio.run(over_grpc([t.address for t in tiers], tok, c,
+                                                                  args.max_tokens))
+            arms = (("in_process", wall_in, cycles_in), ("async_local", wall_al, cycles_al),
+                    ("tiered", wall_rpc, cycles_rpc))
+            per = {name: 1000 * wall / (cycles / c) for name, wall, cycles in arms}
+            overhead = per["tiered"] - per["in_process"]
+            rows.append({"concurrency": c, "cycles_per_request": round(cycles_rpc / c, 1),
+                         **{f"{k}_ms_per_cycle": round(x, 2) for k, x in per.items()},
+                         "verify_step_ms": round(step_ms, 2), "overhead_ms": round(overhead, 2),
+                         "overhead_pct_of_verify_step": round(100 * overhead / step_ms, 1)})
+    finally:
+        for t in tiers:
+            t.stop()
+    print(f"{'c':>3} {'in-process':>11} {'async-local':>12} {'tiered':>8} {'verify step':>12} {'overhead':>9} "
+          f"{'%step':>6}  (ms per cycle)")
+    for r in rows:
+        print(f"{r['concurrency']:>3} {r['in_process_ms_per_cycle']:>11.2f} {r['async_local_ms_per_cycle']:>12.2f} "
+              f"{r['tiered_ms_per_cycle']:>8.2f} {r['verify_step_ms']:>12.2f} {r['overhead_ms']:>9.2f} "
+              f"{r['overhead_pct_of_verify_step']:>6.1f}")
+    meta = {"machine": platform.processor() or platform.machine(), "cpus": torch.get_num_threads(),
+            "torch": torch.__version__, "max_tokens": args.max_tokens, "gamma": 7, "dtype": "float32"}
+    with open(args.json, "w") as f:
+        json.dump({**meta, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
