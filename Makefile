@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODEL ?= dspark-target
 PROMPT ?= def fibonacci(n):
 
-.PHONY: install serve test lint bench data data-deps drafters acceptance clean
+.PHONY: install serve test lint bench bench-tiers data data-deps drafters acceptance clean
 
 $(BIN)/dspark: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,12 +16,11 @@ $(BIN)/dspark: pyproject.toml
 
 install: $(BIN)/dspark
 
-# Main job (for now): speculative generation with the shipped DSpark drafter on the shipped target, then the
-# same prompt without speculation; greedy outputs are identical, τ and tokens/s differ.
+# Main job: the tiered server on embedded defaults. Verifier (shipped target) and drafter (its shipped
+# drafters) run as separate processes on free loopback ports; the OpenAI-compatible API listens on
+# http://127.0.0.1:8000/v1 (model "dspark-target", DSpark drafts, γ = 7). Ctrl-C stops all three.
 serve: $(BIN)/dspark
-	$(BIN)/dspark generate --model $(MODEL) --drafter $(MODEL)-dspark --method dspark --gamma 7 --max-tokens 96 \
-		--prompt '$(PROMPT)'
-	$(BIN)/dspark generate --model $(MODEL) --method none --max-tokens 96 --prompt '$(PROMPT)'
+	$(BIN)/dspark serve --model $(MODEL)
 
 test: data-deps $(BIN)/dspark
 	$(BIN)/ruff check .
@@ -32,6 +31,11 @@ lint: $(BIN)/dspark
 
 bench: $(BIN)/dspark
 	$(BIN)/python benchmarks/engine.py
+
+# Per-cycle cost of the gRPC tiers over the in-process engine, and bidi-stream vs unary message cost.
+bench-tiers: $(BIN)/dspark
+	$(BIN)/python benchmarks/tier_overhead.py
+	$(BIN)/python benchmarks/grpc_shapes.py
 
 # Debian's python3.11-doc holds the reST sources of the chat corpus.
 data-deps:

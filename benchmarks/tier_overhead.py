@@ -6,10 +6,10 @@ three ways in one run, at each concurrency c:
   async-local — the tiered router and the async tier cores in this process (asyncio, no RPC);
   tiered      — verifier and drafter in their own processes, the router here, real loopback gRPC.
 Per-cycle time = wall time / cycles of one request (the c requests run their cycles side by side).
-Overhead = tiered − in-process per cycle, in ms and as a share of the verifier's own step time.
+Overhead = tiered − in-process per cycle, in ms and as a share of the in-process engine step (median).
 Every tier uses one torch thread so the three arms do the same arithmetic on this 2-vCPU machine.
 
-    python benchmarks/tier_overhead.py [--concurrency 1,8] [--max-tokens 64] [--json PATH]
+    python benchmarks/tier_overhead.py [--concurrency 1,8] [--max-tokens 96] [--rounds 3] [--json PATH]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import platform
+import statistics
 import time
 
 import torch
@@ -56,13 +57,24 @@ def in_process(tok, c: int, max_tokens: int) -> tuple[float, int, float]:
     v, d = settings()
     verifier = verifier_service(v)
     drafter: Drafter = drafter_service(d).proposers["dspark"]
-    router = LocalRouter(verifier.engine, drafter, Policy.FIXED, 7)
+    engine = verifier.engine
+    router = LocalRouter(engine, drafter, Policy.FIXED, 7)
     reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=max_tokens), ()) for i, p in enumerate(
         prompts(tok, c))]
     router.generate(reqs)  # warm-up
+    step, timed = engine.step, []
+
+    def timed_step():
+        t = time.perf_counter()
+        out = step()
+        timed.append(time.perf_counter() - t)
+        return out
+
+    engine.step = timed_step
     t0 = time.perf_counter()
     results = router.generate([GenerationRequest(f"m{r.request_id}", r.prompt_ids, r.params, ()) for r in reqs])
-    return time.perf_counter() - t0, sum(r.cycles for r in results), sum(r.cycle_tokens for r in results)
+    step_ms = 1000 * statistics.median(timed)
+    return time.perf_counter() - t0, sum(r.cycles for r in results), step_ms
 
 
 async def tiered_run(verifier, drafter, tok, c: int, max_tokens: int, tag: str) -> tuple[float, int]:
@@ -96,16 +108,16 @@ async def over_grpc(addresses, tok, c: int, max_tokens: int):
     verifier, drafter = GrpcVerifier(addresses[0]), GrpcDrafter(addresses[1])
     await tiered_run(verifier, drafter, tok, c, max_tokens, "w")
     out = await tiered_run(verifier, drafter, tok, c, max_tokens, "m")
-    load = await verifier.load()
     await verifier.close()
     await drafter.close()
-    return (*out, load.step_ms_ema)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", default="1,8")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=3, help="medians over this many runs of each arm")
     parser.add_argument("--json", default="benchmarks/results/tier-overhead-cpu.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -115,18 +127,22 @@ def main() -> None:
     rows = []
     try:
         for c in (int(x) for x in args.concurrency.split(",")):
-            wall_in, cycles_in, _ = in_process(tok, c, args.max_tokens)
-            wall_al, cycles_al = asyncio.run(async_local(tok, c, args.max_tokens))
-            wall_rpc, cycles_rpc, step_ms = asyncio.run(over_grpc([t.address for t in tiers], tok, c,
-                                                                  args.max_tokens))
-            arms = (("in_process", wall_in, cycles_in), ("async_local", wall_al, cycles_al),
-                    ("tiered", wall_rpc, cycles_rpc))
-            per = {name: 1000 * wall / (cycles / c) for name, wall, cycles in arms}
-            overhead = per["tiered"] - per["in_process"]
-            rows.append({"concurrency": c, "cycles_per_request": round(cycles_rpc / c, 1),
-                         **{f"{k}_ms_per_cycle": round(x, 2) for k, x in per.items()},
+            per, steps = {"in_process": [], "async_local": [], "tiered": []}, []
+            for _ in range(args.rounds):  # arms interleaved, so a slow spell of this VM hits them alike
+                wall, cycles, step_ms = in_process(tok, c, args.max_tokens)
+                per["in_process"].append(1000 * wall / (cycles / c))
+                steps.append(step_ms)
+                wall, cycles = asyncio.run(async_local(tok, c, args.max_tokens))
+                per["async_local"].append(1000 * wall / (cycles / c))
+                wall, cycles = asyncio.run(over_grpc([t.address for t in tiers], tok, c, args.max_tokens))
+                per["tiered"].append(1000 * wall / (cycles / c))
+            med = {k: statistics.median(v) for k, v in per.items()}
+            step_ms = statistics.median(steps)
+            overhead = med["tiered"] - med["in_process"]
+            rows.append({"concurrency": c, **{f"{k}_ms_per_cycle": round(x, 2) for k, x in med.items()},
                          "verify_step_ms": round(step_ms, 2), "overhead_ms": round(overhead, 2),
-                         "overhead_pct_of_verify_step": round(100 * overhead / step_ms, 1)})
+                         "overhead_pct_of_verify_step": round(100 * overhead / step_ms, 1),
+                         "rounds": {k: [round(x, 2) for x in v] for k, v in per.items()}})
     finally:
         for t in tiers:
             t.stop()

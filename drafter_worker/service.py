@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter_worker.proposer import Proposer
-from services.batching import gather_window
+from services.batching import compute_thread, gather_window
 from services.errors import InvalidRequestError, StaleCycleError, TierUnavailableError
 from services.types import DraftBlock, SamplingParams
 
@@ -64,6 +64,7 @@ class DrafterService:
         self.steps, self.step_ms_ema, self.stopping = 0, 0.0, False
 
     async def start(self) -> None:
+        self._compute = compute_thread()
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
@@ -75,6 +76,7 @@ class DrafterService:
         for item in self._queue:
             if not item.done.done():
                 item.done.set_exception(TierUnavailableError("drafter is stopping"))
+        self._compute.shutdown(wait=False)
 
     # ---- session calls ------------------------------------------------------------------------
     async def open(self, request_id: str, context_ids: list[int], features: torch.Tensor | None,
@@ -153,6 +155,7 @@ class DrafterService:
         return session is not None
 
     async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             await gather_window(self._wake, self._all_queued, self.batch_window_s)
@@ -163,7 +166,7 @@ class DrafterService:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    blocks = await asyncio.to_thread(self._propose_all, batch)
+                    blocks = await loop.run_in_executor(self._compute, self._propose_all, batch)
                 except Exception as error:
                     for item in batch:
                         if not item.done.done():

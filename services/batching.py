@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 
 async def gather_window(wake: asyncio.Event, complete: Callable[[], bool], window_s: float) -> None:
@@ -25,3 +28,13 @@ async def gather_window(wake: asyncio.Event, complete: Callable[[], bool], windo
             await asyncio.wait_for(wake.wait(), remaining)
         except TimeoutError:
             return
+
+
+def compute_thread() -> ThreadPoolExecutor:
+    """One dedicated worker thread for a tier's forwards, with this thread's torch thread count.
+
+    OpenMP's thread count is per native thread, so a fresh pool thread would not inherit
+    `torch.set_num_threads` from the caller; one long-lived thread also keeps its OpenMP team warm.
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="dspark-compute",
+                              initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))

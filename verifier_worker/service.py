@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.batching import gather_window
+from services.batching import compute_thread, gather_window
 from services.errors import InvalidRequestError, StaleCycleError, TierUnavailableError
 from services.types import DraftBlock, OutcomeKind, SamplingParams, StepOutput
 from verifier_worker.engine import Engine
@@ -53,6 +53,7 @@ class _Session:
     cycle: int = 0
     opened: float = field(default_factory=time.monotonic)
     streams: int = 0  # Verify streams attached (0 or 1 in practice)
+    prefilled: bool = False
     features: list[torch.Tensor] = field(default_factory=list)  # prefill chunks so far
     waiter: asyncio.Future | None = None
 
@@ -70,6 +71,7 @@ class VerifierService:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
+        self._compute = compute_thread()
         self._tasks = [asyncio.create_task(self._loop()), asyncio.create_task(self._janitor())]
 
     async def stop(self) -> None:
@@ -80,6 +82,7 @@ class VerifierService:
                 await task
         for rid in list(self._sessions):
             self._drop(rid, TierUnavailableError("verifier is stopping"))
+        self._compute.shutdown(wait=False)
 
     # ---- session calls ------------------------------------------------------------------------
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -98,7 +101,7 @@ class VerifierService:
             await self.release(request_id)
             raise
         feats = torch.cat(session.features) if session.features else None
-        session.features = []
+        session.features, session.prefilled = [], True
         committed = len(prompt_ids) + len(resume_ids or ()) + len(out.emitted)
         return Prefilled(out.emitted, committed, None if feats is None else feats[: committed - 1])
 
@@ -155,6 +158,7 @@ class VerifierService:
         return session is not None
 
     async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             await gather_window(self._wake, self._all_submitted, self.batch_window_s)
@@ -162,7 +166,7 @@ class VerifierService:
             while self.engine.has_work():
                 async with self._lock:
                     t0 = time.perf_counter()
-                    outputs = await asyncio.to_thread(self.engine.step)
+                    outputs = await loop.run_in_executor(self._compute, self.engine.step)
                     self._record((time.perf_counter() - t0) * 1000)
                     for out in outputs:
                         self._deliver(out)
@@ -170,8 +174,8 @@ class VerifierService:
                     break  # waiting requests with every slot taken by idle sessions: wait for a release
 
     def _all_submitted(self) -> bool:
-        """Every session with a stream has its next cycle queued."""
-        return not any(s.streams > 0 and s.waiter is None for s in self._sessions.values())
+        """Every prefilled session has its next cycle queued."""
+        return not any(s.prefilled and s.waiter is None for s in self._sessions.values())
 
     def _record(self, ms: float) -> None:
         self.steps += 1
