@@ -15,6 +15,7 @@ from drafter_worker.server import DrafterServicer
 from drafter_worker.service import DrafterService
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import GrpcServer, channel
+from router.grpc_server import RouterServicer
 from router.grpc_tiers import GrpcDrafter, GrpcVerifier
 from router.http_api import ApiConfig, build_app
 from router.policy import Policy
@@ -132,9 +133,16 @@ async def run_router(s: RouterSettings) -> None:
     app = build_app(router, tokenizer, ApiConfig(router.model, s.max_model_len, tuple(s.api_key or ())),
                     lambda: tier_health(verifier, drafter), tracer)
     server = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.port, log_level="info", access_log=False))
+    grpc_server = None
+    if s.grpc_port is not None:
+        grpc_server = GrpcServer("127.0.0.1", s.grpc_port, ["dspark.v1.Router"])
+        rpc.add_RouterServicer_to_server(RouterServicer(router, tokenizer, s.max_model_len), grpc_server.server)
+        await grpc_server.start()
     try:
         await server.serve()
     finally:
+        if grpc_server is not None:
+            await grpc_server.stop(5.0)
         await verifier.close()
         if drafter is not None:
             await drafter.close()

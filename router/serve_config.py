@@ -62,6 +62,8 @@ class RouterSettings(_Settings):
     served_model_name: str | None = None
     host: str = Field("127.0.0.1", description="HTTP bind address; 0.0.0.0 to serve other machines")
     port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int | None = Field(None, ge=0, le=65535, description="also serve dspark.v1.Router on this "
+                                  "loopback port (null: HTTP only)")
     verifier: str = Field("127.0.0.1:50051", description="verifier address host:port")
     drafter: str | None = Field("127.0.0.1:50052", description="drafter address; null: no speculation")
     methods: list[str] = Field(["dspark", "dflash", "eagle3", "mtp"], description="methods the drafter hosts")

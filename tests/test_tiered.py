@@ -12,7 +12,8 @@ import torch
 from protos import codec
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
-from protos.serving import channel
+from protos.serving import GrpcServer, channel
+from router.grpc_server import RouterServicer
 from router.grpc_tiers import GrpcDrafter, GrpcVerifier
 from router.launcher import start_tier
 from router.policy import Policy
@@ -190,3 +191,30 @@ def test_a_lost_verifier_is_replaced_by_a_re_prefill_from_committed_tokens(token
     tokens, reprefills = asyncio.run(run())
     assert reprefills == 1 and time.perf_counter() - t0 < 120
     assert tokens == plain_greedy([prompt], [30])[0]
+
+
+def test_router_generate_over_grpc_streams_cycles_and_rejects_bad_input(tiers, tokenizer):
+    prompt = PROMPTS[3]
+
+    async def run():
+        verifier, drafter = GrpcVerifier(tiers[0].address), GrpcDrafter(tiers[1].address)
+        server = GrpcServer("127.0.0.1", 0, ["dspark.v1.Router"])
+        rpc.add_RouterServicer_to_server(RouterServicer(_router(verifier, drafter, tokenizer), tokenizer, 512),
+                                         server.server)
+        await server.start()
+        async with channel(server.address) as ch:
+            stub = rpc.RouterStub(ch)
+            chunks = [c async for c in stub.Generate(pb.GenerateRequest(prompt=prompt,
+                                                                         params=pb.SamplingParams(max_tokens=24)))]
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stub.Generate(pb.GenerateRequest(prompt=prompt, prompt_ids=[1, 2])):
+                    pass
+        await server.stop(0)
+        await verifier.close()
+        await drafter.close()
+        return chunks, info.value.code()
+
+    chunks, code = asyncio.run(run())
+    assert [t for c in chunks for t in c.token_ids] == plain_greedy([tokenizer.encode(prompt)], [24])[0]
+    assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 24
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
