@@ -17,10 +17,10 @@ from router.grpc_server import RouterServicer
 from router.grpc_tiers import GrpcDrafter, GrpcVerifier
 from router.launcher import start_tier
 from router.policy import Policy
-from router.roles import verifier_service
+from router.roles import drafter_service, verifier_service
 from router.router import Router, RouterConfig
 from router.session import RouterRequest, Speculation
-from router.tiers import LocalVerifier
+from router.tiers import LocalDrafter, LocalVerifier
 from services.errors import TierUnavailableError
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
@@ -218,3 +218,49 @@ def test_router_generate_over_grpc_streams_cycles_and_rejects_bad_input(tiers, t
     assert [t for c in chunks for t in c.token_ids] == plain_greedy([tokenizer.encode(prompt)], [24])[0]
     assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 24
     assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_sigterm_drains_and_exits_cleanly():
+    tier = start_tier("drafter", drafter_settings(drafters=["dspark-target-mtp"]))
+    tier.stop()  # SIGTERM: health goes NOT_SERVING, in-flight calls get the grace period, then exit
+    assert tier.process.returncode == 0
+
+
+class _BlinkingDrafter(LocalDrafter):
+    """Unreachable for its 2nd draft call, fine otherwise."""
+
+    def __init__(self, service):
+        super().__init__(service)
+        self.drafts = self.opens = 0
+
+    async def open(self, *args):
+        self.opens += 1
+        await super().open(*args)
+
+    async def draft(self, *args):
+        self.drafts += 1
+        if self.drafts == 2:
+            raise TierUnavailableError("drafter unreachable")
+        return await super().draft(*args)
+
+
+def test_a_lost_drafter_is_reattached_and_drafts_again(tokenizer):
+    prompt = tokenizer.encode(PROMPTS[1])
+
+    async def run():
+        vs = verifier_service(verifier_settings())
+        ds = drafter_service(drafter_settings(drafters=["dspark-target-dspark"]))
+        await vs.start()
+        await ds.start()
+        drafter = _BlinkingDrafter(ds)
+        router = Router(LocalVerifier(vs), drafter, {"dspark"},
+                        RouterConfig(default=Speculation("dspark", Policy.FIXED, 7), reattach_every=4), tokenizer)
+        tokens = await _collect(router, RouterRequest(prompt, SamplingParams(max_tokens=60),
+                                                      stop_token_ids=tokenizer.eos_token_ids))
+        await vs.stop()
+        await ds.stop()
+        return tokens, drafter, router.metrics.drafter_detached.labels("")._value.get()
+
+    tokens, drafter, detached = asyncio.run(run())
+    assert tokens == plain_greedy([prompt], [60])[0]
+    assert detached == 1 and drafter.opens == 2 and drafter.drafts > 3  # reopened and drafting again
