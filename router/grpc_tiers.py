@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
 
 import grpc
 import torch
@@ -25,25 +24,20 @@ from services.types import DraftBlock, SamplingParams
 from verifier_worker.service import Prefilled, Verified
 
 
-@dataclass(slots=True)
-class _Stream:
-    call: grpc.aio.StreamStreamCall
-
-
 class _StreamPool:
     """One bidi stream per request id over one channel."""
 
     def __init__(self, address: str, open_call, timeout_s: float):
         self.address, self.timeout_s, self._open_call = address, timeout_s, open_call
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, grpc.aio.StreamStreamCall] = {}
 
     async def exchange(self, request_id: str, message):
-        stream = self._streams.get(request_id)
-        if stream is None:
-            stream = self._streams[request_id] = _Stream(self._open_call())
+        call = self._streams.get(request_id)
+        if call is None:
+            call = self._streams[request_id] = self._open_call()
         try:
-            await asyncio.wait_for(stream.call.write(message), self.timeout_s)
-            reply = await asyncio.wait_for(stream.call.read(), self.timeout_s)
+            await asyncio.wait_for(call.write(message), self.timeout_s)
+            reply = await asyncio.wait_for(call.read(), self.timeout_s)
         except grpc.aio.AioRpcError as error:
             self.drop(request_id)
             raise error_from_rpc(error, self.address) from None
@@ -51,15 +45,15 @@ class _StreamPool:
             self.drop(request_id)
             raise TierUnavailableError(f"{self.address}: {type(error).__name__}") from None
         if reply is grpc.aio.EOF:
-            code, details = await stream.call.code(), await stream.call.details()
+            code, details = await call.code(), await call.details()
             self.drop(request_id)
             raise error_from_rpc(_Failed(code, details), self.address)
         return reply
 
     def drop(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.call.cancel()
+        call = self._streams.pop(request_id, None)
+        if call is not None:
+            call.cancel()
 
     def close_all(self) -> None:
         for rid in list(self._streams):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from services.errors import InvalidRequestError
 
@@ -79,6 +79,13 @@ class RouterSettings(_Settings):
     traces: Traces = "none"
     otlp_traces_endpoint: str | None = None
 
+    @model_validator(mode="after")
+    def _key_from_environment(self) -> RouterSettings:
+        """DSPARK_API_KEY when no key is configured (a flag or the file wins over the environment)."""
+        if not self.api_key and os.environ.get("DSPARK_API_KEY"):
+            self.api_key = [os.environ["DSPARK_API_KEY"]]
+        return self
+
 
 class ServeSettings(_Settings):
     verifier: VerifierSettings = VerifierSettings()
@@ -112,8 +119,6 @@ def load(settings: type[_Settings], config: Path | None, flags: dict) -> _Settin
         if not isinstance(raw, dict):
             raise InvalidRequestError(f"--config {config}: expected a mapping")
     merged = {**raw, **flags}
-    if settings is RouterSettings and not merged.get("api_key") and os.environ.get("DSPARK_API_KEY"):
-        merged["api_key"] = [os.environ["DSPARK_API_KEY"]]
     try:
         return settings.model_validate(merged)
     except ValidationError as error:

@@ -1,0 +1,49 @@
+"""Role settings: file and flags merge (flag > file > default), unknown keys are errors."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from router.cli import build_parser
+from router.cli_serve import serve_settings
+from router.serve_config import ServeSettings, VerifierSettings, load
+from services.errors import InvalidRequestError
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "infra" / "serve.example.yaml"
+
+
+def test_the_shipped_example_parses():
+    settings = load(ServeSettings, EXAMPLE, {})
+    assert settings.router.policy == "fixed" and len(settings.drafter.drafters) == 4
+
+
+def test_flags_beat_the_file_and_the_file_beats_defaults(tmp_path):
+    path = tmp_path / "v.yaml"
+    path.write_text("num_slots: 3\nmax_len: 300\n")
+    args = build_parser().parse_args(["verifier", "--config", str(path), "--max-len", "400"])
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "address_file")}
+    settings = load(VerifierSettings, path, flags)
+    assert (settings.num_slots, settings.max_len, settings.max_batch_tokens) == (3, 400, 256)
+
+
+def test_unknown_keys_and_bad_values_are_rejected(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("router: {port: 8000, colour: blue}\n")
+    with pytest.raises(InvalidRequestError, match="colour"):
+        load(ServeSettings, path, {})
+    with pytest.raises(InvalidRequestError):
+        load(VerifierSettings, None, {"num_slots": 0})
+
+
+def test_serve_keeps_tiers_private_and_passes_model_and_tracing_to_every_role(monkeypatch):
+    monkeypatch.setenv("DSPARK_API_KEY", "from-env")
+    args = build_parser().parse_args(["serve", "--config", str(EXAMPLE), "--port", "9000", "--traces", "console"])
+    settings = serve_settings(args)
+    assert settings.router.port == 9000 and settings.router.api_key == ["from-env"]
+    for role in (settings.verifier, settings.drafter):
+        assert role.host == "127.0.0.1" and role.port == 0 and role.traces == "console"
+    explicit = serve_settings(argparse.Namespace(**{**vars(args), "api_key": "flag-key"}))
+    assert explicit.router.api_key == ["flag-key"]  # the flag beats DSPARK_API_KEY
