@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 from pathlib import Path
 
 from router.serve_config import DrafterSettings, RouterSettings, ServeSettings, VerifierSettings, add_flags, load
@@ -52,21 +53,20 @@ def run_role(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     from router import roles
-    from router.launcher import start_tier
+    from router.launcher import start_tiers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
     settings = serve_settings(args)
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the tiers too, as Ctrl-C does
     tiers = []
     try:
-        verifier = start_tier("verifier", settings.verifier)
-        tiers.append(verifier)
-        router = settings.router.model_copy(update={"verifier": verifier.address})
+        wanted = [("verifier", settings.verifier)]
         if settings.router.method != "none":
-            drafter = start_tier("drafter", settings.drafter)
-            tiers.append(drafter)
-            router = router.model_copy(update={"drafter": drafter.address})
-        else:
-            router = router.model_copy(update={"drafter": None})
+            wanted.append(("drafter", settings.drafter))
+        tiers = start_tiers(wanted)
+        addresses = {t.role: t.address for t in tiers}
+        router = settings.router.model_copy(update={"verifier": addresses["verifier"],
+                                                    "drafter": addresses.get("drafter")})
         logging.info("OpenAI API on http://%s:%d/v1 (model %s)", router.host, router.port, router.model)
         asyncio.run(roles.run_router(router))
     except KeyboardInterrupt:
@@ -75,6 +75,10 @@ def run_serve(args: argparse.Namespace) -> int:
         for tier in tiers:
             tier.stop()
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def serve_settings(args: argparse.Namespace) -> ServeSettings:

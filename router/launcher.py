@@ -7,6 +7,7 @@ for that file, so nothing races for ports.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -41,19 +42,42 @@ class TierProcess:
         self.process.wait()
 
 
+def _die_with_parent() -> None:
+    """Linux: the tier gets SIGTERM when its launcher dies, however it dies (no orphaned servers)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def start_tier(role: str, settings: BaseModel, timeout_s: float = 120.0, env: dict | None = None) -> TierProcess:
     """Spawn `dspark ROLE` with these settings and wait until it serves."""
-    workdir = Path(tempfile.mkdtemp(prefix=f"dspark-{role}-"))
-    config, address_file = workdir / "config.yaml", workdir / "address"
-    config.write_text(yaml.safe_dump(settings.model_dump(mode="json")))
-    cmd = [sys.executable, "-m", "router.cli", role, "--config", str(config), "--address-file", str(address_file)]
-    process = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, cwd=Path(__file__).resolve().parents[1])
+    return start_tiers([(role, settings)], timeout_s, env)[0]
+
+
+def start_tiers(roles: list[tuple[str, BaseModel]], timeout_s: float = 120.0,
+                env: dict | None = None) -> list[TierProcess]:
+    """Spawn every role at once (they load their models in parallel), then wait until each serves."""
+    pending = []
+    for role, settings in roles:
+        workdir = Path(tempfile.mkdtemp(prefix=f"dspark-{role}-"))
+        config, address_file = workdir / "config.yaml", workdir / "address"
+        config.write_text(yaml.safe_dump(settings.model_dump(mode="json")))
+        cmd = [sys.executable, "-m", "router.cli", role, "--config", str(config), "--address-file", str(address_file)]
+        process = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, cwd=Path(__file__).resolve().parents[1],
+                                   preexec_fn=_die_with_parent)
+        pending.append((role, process, address_file))
     deadline = time.monotonic() + timeout_s
-    while not address_file.is_file() or not address_file.read_text():
-        if process.poll() is not None:
-            raise RuntimeError(f"{role} exited with {process.returncode} before serving")
-        if time.monotonic() > deadline:
+    started = []
+    try:
+        for role, process, address_file in pending:
+            while not address_file.is_file() or not address_file.read_text():
+                if process.poll() is not None:
+                    raise RuntimeError(f"{role} exited with {process.returncode} before serving")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{role} did not start within {timeout_s} s")
+                time.sleep(0.1)
+            started.append(TierProcess(role, process, address_file.read_text()))
+    except BaseException:
+        for _, process, _ in pending:
             process.kill()
-            raise TimeoutError(f"{role} did not start within {timeout_s} s")
-        time.sleep(0.1)
-    return TierProcess(role, process, address_file.read_text())
+        raise
+    return started

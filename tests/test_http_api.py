@@ -12,7 +12,7 @@ import pytest
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import channel
-from router.launcher import start_tier
+from router.launcher import start_tiers
 from router.serve_config import RouterSettings
 from services.data.chat_format import render
 from services.registry import resolve_model
@@ -24,8 +24,7 @@ KEY = "sk-test-key"
 
 @pytest.fixture(scope="module")
 def tiers():
-    verifier = start_tier("verifier", verifier_settings())
-    drafter = start_tier("drafter", drafter_settings())
+    verifier, drafter = start_tiers([("verifier", verifier_settings()), ("drafter", drafter_settings())])
     yield verifier.address, drafter.address
     verifier.stop()
     drafter.stop()

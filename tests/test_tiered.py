@@ -15,7 +15,7 @@ from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import GrpcServer, channel
 from router.grpc_server import RouterServicer
 from router.grpc_tiers import GrpcDrafter, GrpcVerifier
-from router.launcher import start_tier
+from router.launcher import start_tier, start_tiers
 from router.policy import Policy
 from router.roles import drafter_service, verifier_service
 from router.router import Router, RouterConfig
@@ -39,8 +39,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def tiers():
-    verifier = start_tier("verifier", verifier_settings())
-    drafter = start_tier("drafter", drafter_settings())
+    verifier, drafter = start_tiers([("verifier", verifier_settings()), ("drafter", drafter_settings())])
     yield verifier, drafter
     verifier.stop()
     drafter.stop()
