@@ -44,13 +44,12 @@ def test_equals_brute_force_along_the_greedy_path(confidences, fixed_ms, per_tok
     # Every prefix of the greedy order (descending a, ties by position) is a candidate allocation.
     pairs = sorted(((a, j, r) for r, row in survivals.items() for j, a in enumerate(row, 1) if a > 0),
                    key=lambda p: (-p[0], p[1], int(p[2][1:])))
-    best, best_theta = dict.fromkeys(survivals, 0), theta(survivals, dict.fromkeys(survivals, 0), sps)
+    best_theta = theta(survivals, dict.fromkeys(survivals, 0), sps)
     lengths = dict.fromkeys(survivals, 0)
     for _, j, r in pairs:
         lengths[r] = j
         value = theta(survivals, lengths, sps)
-        if value > best_theta + 1e-12:
-            best, best_theta = dict(lengths), value
+        best_theta = max(best_theta, value)
     assert theta(survivals, got, sps) == pytest.approx(best_theta, rel=1e-9)
     # And the best allocation over every ℓ vector is no better (greedy by a is optimal per B).
     grid = itertools.product(*(range(len(row) + 1) for row in survivals.values()))
