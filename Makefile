@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODEL ?= dspark-target
 PROMPT ?= def fibonacci(n):
 
-.PHONY: install serve test lint bench bench-tiers data data-deps drafters acceptance clean
+.PHONY: install serve test lint bench bench-tiers data data-deps test-deps drafters acceptance clean
 
 $(BIN)/dspark: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,7 @@ install: $(BIN)/dspark
 serve: $(BIN)/dspark
 	$(BIN)/dspark serve --model $(MODEL)
 
-test: data-deps $(BIN)/dspark
+test: data-deps test-deps $(BIN)/dspark
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
@@ -40,6 +40,10 @@ bench-tiers: $(BIN)/dspark
 # Debian's python3.11-doc holds the reST sources of the chat corpus.
 data-deps:
 	@test -d /usr/share/doc/python3.11/html/_sources || (apt-get update && apt-get install -y --no-install-recommends python3.11-doc)
+
+# The load-board tests run a private redis-server on a free loopback port.
+test-deps:
+	@command -v redis-server >/dev/null || (apt-get update && apt-get install -y --no-install-recommends redis-server)
 
 data: data-deps $(BIN)/dspark
 	$(BIN)/dspark data build
