@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import shutil
 import signal
 from pathlib import Path
 
@@ -53,13 +54,16 @@ def run_role(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     from router import roles
-    from router.launcher import start_tiers
+    from router.launcher import RedisProcess, start_tiers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
     settings = serve_settings(args)
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the tiers too, as Ctrl-C does
-    tiers = []
+    tiers, redis = [], None
     try:
+        if settings.verifier.redis_url is None and shutil.which("redis-server"):
+            redis = RedisProcess().start()  # a private load board for this host, removed on exit
+            settings.verifier.redis_url = settings.drafter.redis_url = redis.url
         wanted = [("verifier", settings.verifier)]
         if settings.router.method != "none":
             wanted.append(("drafter", settings.drafter))
@@ -74,6 +78,8 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         for tier in tiers:
             tier.stop()
+        if redis is not None:
+            redis.stop()
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -81,3 +82,36 @@ def start_tiers(roles: list[tuple[str, BaseModel]], timeout_s: float = 120.0,
             process.kill()
         raise
     return started
+
+
+class RedisProcess:
+    """A private redis-server on a free loopback port, no persistence (the embedded load board, tests)."""
+
+    def __init__(self, port: int = 0):
+        if port == 0:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+        self.port, self.process = port, None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> RedisProcess:
+        self.process = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+                                         "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL,
+                                        preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return self
+            time.sleep(0.05)
+        self.process.kill()
+        raise TimeoutError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(10)

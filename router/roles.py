@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from router.router import Router, RouterConfig
 from router.serve_config import DrafterSettings, RouterSettings, VerifierSettings
 from router.session import Speculation
 from services.errors import InvalidRequestError
+from services.load_board import BoardPublisher, RedisBoard
 from services.loader import load_model
 from services.model_config import ModelConfig
 from services.registry import list_models, resolve_model
@@ -86,7 +88,16 @@ async def run_verifier(s: VerifierSettings, port_file: Path | None = None) -> No
     server = GrpcServer(s.host, s.port, ["dspark.v1.Verifier"])
     rpc.add_VerifierServicer_to_server(VerifierServicer(service, tracer, sps), server.server)
     await service.start()
+
+    def snapshot() -> dict:
+        load = service.load()
+        return {"running": load.running, "queued": load.waiting, "kv_used": load.kv_used, "kv_total": load.kv_total,
+                "step_ms_ema": load.step_ms_ema}
+
+    publisher = _publisher(s.redis_url, "verifier", server, snapshot, [(p.batch_tokens, p.step_ms) for p in sps])
     await server.serve_until_signal(service.stop, port_file)
+    if publisher is not None:
+        publisher.cancel()
 
 
 async def run_drafter(s: DrafterSettings, port_file: Path | None = None) -> None:
@@ -96,7 +107,25 @@ async def run_drafter(s: DrafterSettings, port_file: Path | None = None) -> None
     server = GrpcServer(s.host, s.port, ["dspark.v1.Drafter"])
     rpc.add_DrafterServicer_to_server(DrafterServicer(service, tracer), server.server)
     await service.start()
+
+    def snapshot() -> dict:
+        load = service.load()
+        return {"running": load.contexts, "queued": load.queued, "step_ms_ema": load.step_ms_ema}
+
+    publisher = _publisher(s.redis_url, "drafter", server, snapshot, [])
     await server.serve_until_signal(service.stop, port_file)
+    if publisher is not None:
+        publisher.cancel()
+
+
+def _publisher(url: str | None, role: str, server: GrpcServer, snapshot, sps) -> asyncio.Task | None:
+    """Publish this engine's load (keyed by its address) to the board at `url`, when one is configured."""
+    if not url:
+        return None
+    board = RedisBoard(url)
+    if sps:
+        board.publish_profile(server.address, sps)
+    return asyncio.create_task(BoardPublisher(board, server.address, role, snapshot).run())
 
 
 def build_router(s: RouterSettings, tracer=None) -> tuple[Router, TextTokenizer, GrpcVerifier, GrpcDrafter | None]:

@@ -38,6 +38,7 @@ class VerifierSettings(_Settings):
     lease_s: float = Field(60.0, gt=0, description="free requests prefilled but never attached to a stream")
     batch_window_ms: float = Field(5.0, ge=0, description="how long a step waits for the rest of its sessions")
     profile: bool = Field(False, description="measure the SPS(B) table at start-up")
+    redis_url: str | None = Field(None, description="publish load (and the SPS profile) to this Redis")
     traces: Traces = "none"
     otlp_traces_endpoint: str | None = None
 
@@ -52,6 +53,7 @@ class DrafterSettings(_Settings):
     threads: int = Field(0, ge=0)
     max_q: int = Field(64, ge=1, description="support size K of the sparse draft distribution q'")
     batch_window_ms: float = Field(5.0, ge=0, description="how long a propose waits for the rest of its sessions")
+    redis_url: str | None = Field(None, description="publish load to this Redis")
     seed: int = 0
     traces: Traces = "none"
     otlp_traces_endpoint: str | None = None

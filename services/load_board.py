@@ -10,6 +10,7 @@ same interface in process, for the single-process embedded default and for tests
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -116,3 +117,19 @@ class RedisBoard:
             self.failures += 1
             self._open_until = time.monotonic() + self.cooldown_s
             return None
+
+
+class BoardPublisher:
+    """Publishes one engine's load every `interval_s` (TTL `ttl_s`), in a thread so Redis never blocks serving."""
+
+    def __init__(self, board: LoadBoard, engine_id: str, role: str, snapshot, interval_s: float = 0.1,
+                 ttl_s: float = 1.0):
+        self.board, self.engine_id, self.role, self.snapshot = board, engine_id, role, snapshot
+        self.interval_s, self.ttl_s, self.seq = interval_s, ttl_s, 0
+
+    async def run(self) -> None:
+        while True:
+            self.seq += 1
+            load = EngineLoad(self.engine_id, self.role, seq=self.seq, ts=time.time(), **self.snapshot())
+            await asyncio.to_thread(self.board.publish, load, self.ttl_s)
+            await asyncio.sleep(self.interval_s)

@@ -3,48 +3,19 @@
 from __future__ import annotations
 
 import shutil
-import socket
-import subprocess
 import time
 
 import pytest
 
+from router.launcher import RedisProcess
 from services.load_board import EngineLoad, LocalBoard, RedisBoard
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    def __init__(self):
-        self.port = _free_port()
-        self.process = None
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                                         "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
-            time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(10)
 
 
 @pytest.fixture
 def redis_server():
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (make test installs it)")
-    server = RedisServer()
-    server.start()
+    server = RedisProcess().start()
     yield server
     server.stop()
 
@@ -55,8 +26,7 @@ def _load(engine: str, seq: int, **kw) -> EngineLoad:
 
 @pytest.mark.parametrize("kind", ["local", "redis"])
 def test_publish_read_and_ttl_expiry(kind, request):
-    board = LocalBoard() if kind == "local" else RedisBoard(
-        f"redis://127.0.0.1:{request.getfixturevalue('redis_server').port}/0")
+    board = LocalBoard() if kind == "local" else RedisBoard(request.getfixturevalue("redis_server").url)
     assert board.publish(_load("v0", 1, running=3, kv_used=50, kv_total=100), ttl_s=0.3)
     assert board.publish(_load("v1", 7), ttl_s=5)
     assert board.publish_profile("v0", [(1, 20.0), (8, 21.5)])
@@ -74,7 +44,7 @@ def test_stale_entries_count_as_saturated():
 
 
 def test_redis_outage_degrades_to_unavailable_then_recovers(redis_server):
-    board = RedisBoard(f"redis://127.0.0.1:{redis_server.port}/0", timeout_s=0.05, cooldown_s=0.2)
+    board = RedisBoard(redis_server.url, timeout_s=0.05, cooldown_s=0.2)
     assert board.publish(_load("v0", 1), ttl_s=10) and len(board.read("verifier")) == 1
     redis_server.stop()
     t0 = time.monotonic()
@@ -85,3 +55,28 @@ def test_redis_outage_degrades_to_unavailable_then_recovers(redis_server):
     time.sleep(0.25)  # past the cool-down
     assert board.publish(_load("v0", 3), ttl_s=10)
     assert [x.seq for x in board.read("verifier")] == [3]
+
+
+def test_tier_processes_publish_their_load(redis_server):
+    from router.launcher import start_tiers
+    from tests.tiers import drafter_settings, verifier_settings
+
+    tiers = start_tiers([("verifier", verifier_settings(redis_url=redis_server.url)),
+                         ("drafter", drafter_settings(drafters=["dspark-target-mtp"], redis_url=redis_server.url))])
+    board = RedisBoard(redis_server.url)
+    try:
+        seen = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(seen) < 3:
+            loads = (board.read("verifier") or []) + (board.read("drafter") or [])
+            if len(loads) == 2:
+                seen.append({x.role: x for x in loads})
+            time.sleep(0.15)
+    finally:
+        for tier in tiers:
+            tier.stop()
+    assert len(seen) == 3
+    verifier = seen[-1]["verifier"]
+    assert verifier.engine_id == tiers[0].address and verifier.kv_total == 8 * 512 and verifier.running == 0
+    assert seen[-1]["verifier"].seq > seen[0]["verifier"].seq and seen[-1]["drafter"].engine_id == tiers[1].address
+    assert verifier.saturation(stale_after_s=1.0, now=verifier.ts) == 0.0  # fresh and idle
