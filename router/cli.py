@@ -22,6 +22,8 @@ from router.cli_drafters import (
 )
 from router.cli_serve import add_parsers as add_serve_parsers
 from router.cli_serve import run_role, run_serve
+from router.cli_top import add_parser as add_top_parser
+from router.cli_top import run_top
 from services.errors import DsparkError
 
 METHODS = ("none", "ngram", "mtp", "eagle3", "dflash", "dspark")
@@ -42,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     add_serve_parsers(sub)
+    add_top_parser(sub)
 
     gen = sub.add_parser("generate", help="generate in-process (no Ray, no gRPC), with or without speculation")
     _add_model_args(gen)
@@ -218,7 +221,7 @@ def _models(args: argparse.Namespace) -> int:
 _COMMANDS = {
     "generate": _generate, "profile": _profile, "data": _data, "train": _train, "models": _models,
     "make-tiny-model": _make_tiny, "calibrate": run_calibrate, "eval": run_eval,
-    "serve": run_serve, "verifier": run_role, "drafter": run_role, "router": run_role,
+    "serve": run_serve, "top": run_top, "verifier": run_role, "drafter": run_role, "router": run_role,
 }
 
 

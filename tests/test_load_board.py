@@ -80,3 +80,17 @@ def test_tier_processes_publish_their_load(redis_server):
     assert verifier.engine_id == tiers[0].address and verifier.kv_total == 8 * 512 and verifier.running == 0
     assert seen[-1]["verifier"].seq > seen[0]["verifier"].seq and seen[-1]["drafter"].engine_id == tiers[1].address
     assert verifier.saturation(stale_after_s=1.0, now=verifier.ts) == 0.0  # fresh and idle
+
+
+def test_dspark_top_shows_the_board(redis_server, capsys, monkeypatch):
+    from router.cli import main
+
+    monkeypatch.setenv("COLUMNS", "200")  # a wide terminal, so rich does not elide the columns
+    board = RedisBoard(redis_server.url)
+    board.publish(EngineLoad("10.0.0.5:50051", "verifier", running=2, kv_used=10, kv_total=40, seq=4,
+                             ts=time.time()), ttl_s=10)
+    board.publish(EngineLoad("10.0.0.6:50052", "drafter", queued=1, seq=9, ts=time.time() - 60), ttl_s=10)
+    assert main(["top", "--redis-url", redis_server.url, "--once"]) == 0
+    out = capsys.readouterr().out
+    assert "10.0.0.5:50051" in out and "10/40" in out and "0.25" in out  # fresh: KV saturation
+    assert "10.0.0.6:50052" in out and "1.00" in out  # stale: counted as saturated
