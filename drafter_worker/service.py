@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter_worker.proposer import Proposer
-from services.batching import compute_thread, gather_window
+from services.batching import StepTimer, compute_thread, gather_window
 from services.errors import InvalidRequestError, StaleCycleError, TierUnavailableError
 from services.types import DraftBlock, SamplingParams
 
@@ -49,11 +49,10 @@ class _Queued:
 
 
 class DrafterService:
-    def __init__(self, proposers: dict[str, Proposer], block_sizes: dict[str, int], batch_window_s: float = 0.005,
-                 ema: float = 0.1):
+    def __init__(self, proposers: dict[str, Proposer], block_sizes: dict[str, int], batch_window_s: float = 0.005):
         if not proposers:
             raise ValueError("a drafter replica needs at least one proposer")
-        self.proposers, self.block_sizes, self._ema = proposers, block_sizes, ema
+        self.proposers, self.block_sizes = proposers, block_sizes
         self.batch_window_s = batch_window_s
         self.default_method = next(iter(proposers))
         self._sessions: dict[str, _Session] = {}
@@ -61,7 +60,7 @@ class DrafterService:
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.steps, self.step_ms_ema, self.stopping = 0, 0.0, False
+        self.timer, self.stopping = StepTimer(), False
 
     async def start(self) -> None:
         self._compute = compute_thread()
@@ -125,10 +124,7 @@ class DrafterService:
             return self._forget(request_id)
 
     def load(self) -> DrafterLoad:
-        return DrafterLoad(len(self._sessions), len(self._queue), self.step_ms_ema, self.steps)
-
-    def holds(self, request_id: str) -> bool:
-        return request_id in self._sessions
+        return DrafterLoad(len(self._sessions), len(self._queue), self.timer.ema_ms, self.timer.steps)
 
     # ---- internals ----------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -172,7 +168,7 @@ class DrafterService:
                         if not item.done.done():
                             item.done.set_exception(error)
                     continue
-                self._record((time.perf_counter() - t0) * 1000)
+                self.timer.record((time.perf_counter() - t0) * 1000)
             for item in batch:
                 if not item.done.done():
                     item.done.set_result(blocks.get(item.request_id, DraftBlock(tokens=[])))
@@ -191,7 +187,3 @@ class DrafterService:
             params = {rid: self._sessions[rid].params for rid in rids}
             blocks.update(self.proposers[method].propose(contexts, gamma, params))
         return blocks
-
-    def _record(self, ms: float) -> None:
-        self.steps += 1
-        self.step_ms_ema = ms if self.steps == 1 else (1 - self._ema) * self.step_ms_ema + self._ema * ms

@@ -66,20 +66,3 @@ class GrpcServer:
 def channel(address: str) -> grpc.aio.Channel:
     """A client channel to a dspark tier with matching message limits and keepalive."""
     return grpc.aio.insecure_channel(address, options=OPTIONS)
-
-
-async def wait_healthy(address: str, timeout_s: float = 60.0, service: str = "") -> None:
-    """Poll `grpc.health.v1` until the server reports SERVING (start-up of a tier process)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    async with channel(address) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while True:
-            try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            if asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError(f"{address} not healthy after {timeout_s} s")
-            await asyncio.sleep(0.2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from router.scheduler import survival
 from services.types import DraftBlock
 
 
@@ -44,9 +45,5 @@ def choose_verify_len(policy: Policy, block: DraftBlock, bound: int, threshold: 
     length = verify_len(policy, len(block), bound)
     if policy is not Policy.THRESHOLD or block.confidences is None:
         return length
-    survival = 1.0
-    for k in range(length):
-        survival *= block.confidences[k]  # a_{k+1}: depends on x_1..x_k only, not on x_{k+1}
-        if survival < threshold:
-            return k
-    return length
+    # a_{k+1} depends on x_1..x_k only, never on x_{k+1} itself
+    return next((k for k, a in enumerate(survival(block.confidences[:length])) if a < threshold), length)

@@ -15,7 +15,7 @@ from drafter_worker.drafter import Drafter
 from drafter_worker.server import DrafterServicer
 from drafter_worker.service import DrafterService
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
-from protos.serving import GrpcServer, channel
+from protos.serving import GrpcServer
 from router.grpc_server import RouterServicer
 from router.grpc_tiers import GrpcDrafter, GrpcVerifier
 from router.http_api import ApiConfig, build_app
@@ -142,17 +142,18 @@ def build_router(s: RouterSettings, tracer=None) -> tuple[Router, TextTokenizer,
 
 
 async def tier_health(verifier: GrpcVerifier, drafter: GrpcDrafter | None) -> dict[str, bool]:
-    async def ok(address: str) -> bool:
-        async with channel(address) as ch:
-            try:
-                reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-            except Exception:
-                return False
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
+    """grpc.health.v1 of each tier, over the router's own channels to them."""
+    async def ok(client: GrpcVerifier | GrpcDrafter) -> bool:
+        try:
+            reply = await health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(),
+                                                                           timeout=1.0)
+        except Exception:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
-    tiers = {"verifier": await ok(verifier.address)}
+    tiers = {"verifier": await ok(verifier)}
     if drafter is not None:
-        tiers["drafter"] = await ok(drafter.address)
+        tiers["drafter"] = await ok(drafter)
     return tiers
 
 

@@ -21,6 +21,7 @@ from opentelemetry import trace
 
 from router.metrics import RouterMetrics
 from router.policy import Policy, choose_verify_len, max_verify_len
+from router.scheduler import survival
 from router.session import Chunk, RouterRequest, Session, Speculation, resolve
 from router.text_stream import TextStream
 from router.tiers import DrafterTier, VerifierTier
@@ -121,8 +122,8 @@ class Router:
             with self.tracer.start_as_current_span("schedule") as sched:
                 if block is not None:
                     block = block.head(choose_verify_len(s.spec.policy, block, bound, self.config.threshold))
-                survival = _survival(block)
-                sched.set_attributes({"dspark.verify_len": len(block or ()), "dspark.survival": survival})
+                a = survival(block.confidences or []) if block is not None else []
+                sched.set_attributes({"dspark.verify_len": len(block or ()), "dspark.survival": a[-1] if a else 1.0})
             with self.tracer.start_as_current_span("verify") as vspan:
                 done = await self._verify(s, block)
                 out = done.output
@@ -208,10 +209,3 @@ class Router:
     def _chunk(self, s: Session, tokens: list[int], text: str, finish=None) -> Chunk:
         return Chunk(s.request.request_id, tokens, text, finish, len(s.request.prompt_ids), len(s.output), s.cycle)
 
-
-def _survival(block: DraftBlock | None) -> float:
-    """a_ℓ of the verified prefix (1 when nothing or no confidences)."""
-    out = 1.0
-    for c in (block.confidences or []) if block is not None else []:
-        out *= c
-    return out

@@ -19,16 +19,22 @@ class TextStream:
     token_ids: list[int] = field(default_factory=list)
     sent: int = 0  # characters of text already handed out
     stopped: bool = False
+    _full: str = field(default="", init=False)  # decoded text of token_ids
 
     def feed(self, new_ids: list[int]) -> tuple[list[int], str]:
         """Add a cycle's tokens → (tokens kept, text delta). After a stop string, later tokens are dropped."""
+        if not self.stop:  # no stop strings: one decode per cycle
+            self.token_ids.extend(new_ids)
+            self._full = self._decode()
+            return list(new_ids), self._delta(final=False)
         kept = []
-        for token in new_ids:
+        for token in new_ids:  # find the token that completes a stop string
             if self.stopped:
                 break
             self.token_ids.append(token)
             kept.append(token)
-            self.stopped = self._stop_at(self._text()) is not None
+            self._full = self._decode()
+            self.stopped = self._stop_at(self._full) is not None
         return kept, self._delta(final=self.stopped)
 
     def flush(self) -> str:
@@ -37,11 +43,10 @@ class TextStream:
 
     @property
     def text(self) -> str:
-        full = self._text()
-        cut = self._stop_at(full)
-        return full if cut is None else full[:cut]
+        cut = self._stop_at(self._full)
+        return self._full if cut is None else self._full[:cut]
 
-    def _text(self) -> str:
+    def _decode(self) -> str:
         return self.tokenizer.decode(self.token_ids) if self.tokenizer is not None else ""
 
     def _stop_at(self, text: str) -> int | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +29,19 @@ async def gather_window(wake: asyncio.Event, complete: Callable[[], bool], windo
             await asyncio.wait_for(wake.wait(), remaining)
         except TimeoutError:
             return
+
+
+@dataclass(slots=True)
+class StepTimer:
+    """Steps taken and an exponential moving average of their duration (what a tier reports as load)."""
+
+    alpha: float = 0.1
+    steps: int = 0
+    ema_ms: float = 0.0
+
+    def record(self, ms: float) -> None:
+        self.steps += 1
+        self.ema_ms = ms if self.steps == 1 else (1 - self.alpha) * self.ema_ms + self.alpha * ms
 
 
 def compute_thread() -> ThreadPoolExecutor:

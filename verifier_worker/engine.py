@@ -145,6 +145,10 @@ class Engine:
     def tokens(self, request_id: str) -> list[int]:
         return list(self._running[request_id].tokens)
 
+    def num_tokens(self, request_id: str) -> int:
+        """Committed tokens of a running request (no copy)."""
+        return len(self._running[request_id].tokens)
+
     def has_work(self) -> bool:
         return bool(self._waiting) or any(r.in_prefill or r.pending is not None for r in self._running.values())
 

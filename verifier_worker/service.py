@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.batching import compute_thread, gather_window
+from services.batching import StepTimer, compute_thread, gather_window
 from services.errors import InvalidRequestError, StaleCycleError, TierUnavailableError
 from services.types import DraftBlock, OutcomeKind, SamplingParams, StepOutput
 from verifier_worker.engine import Engine
@@ -59,15 +59,14 @@ class _Session:
 
 
 class VerifierService:
-    def __init__(self, engine: Engine, model_name: str = "", lease_s: float = 60.0, batch_window_s: float = 0.005,
-                 ema: float = 0.1):
-        self.engine, self.model_name, self.lease_s, self._ema = engine, model_name, lease_s, ema
+    def __init__(self, engine: Engine, model_name: str = "", lease_s: float = 60.0, batch_window_s: float = 0.005):
+        self.engine, self.model_name, self.lease_s = engine, model_name, lease_s
         self.batch_window_s = batch_window_s
         self._sessions: dict[str, _Session] = {}
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
-        self.steps, self.step_ms_ema, self.stopping = 0, 0.0, False
+        self.timer, self.stopping = StepTimer(), False
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -119,7 +118,7 @@ class VerifierService:
         self._wake.set()
         out: StepOutput = await session.waiter
         session.cycle = cycle
-        return Verified(out, len(self.engine.tokens(request_id)))
+        return Verified(out, self.engine.num_tokens(request_id))
 
     async def release(self, request_id: str) -> bool:
         async with self._lock:
@@ -138,12 +137,9 @@ class VerifierService:
         usage = self.engine.cache.usage()
         return VerifierLoad(
             running=self.engine.num_running, waiting=self.engine.num_waiting, kv_used=usage.tokens_used,
-            kv_total=usage.tokens_total, step_ms_ema=self.step_ms_ema, steps=self.steps,
+            kv_total=usage.tokens_total, step_ms_ema=self.timer.ema_ms, steps=self.timer.steps,
             streams=sum(s.streams for s in self._sessions.values()),
         )
-
-    def holds(self, request_id: str) -> bool:
-        return request_id in self._sessions
 
     # ---- internals ----------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -167,7 +163,7 @@ class VerifierService:
                 async with self._lock:
                     t0 = time.perf_counter()
                     outputs = await loop.run_in_executor(self._compute, self.engine.step)
-                    self._record((time.perf_counter() - t0) * 1000)
+                    self.timer.record((time.perf_counter() - t0) * 1000)
                     for out in outputs:
                         self._deliver(out)
                 if not outputs:
@@ -176,10 +172,6 @@ class VerifierService:
     def _all_submitted(self) -> bool:
         """Every prefilled session has its next cycle queued."""
         return not any(s.prefilled and s.waiter is None for s in self._sessions.values())
-
-    def _record(self, ms: float) -> None:
-        self.steps += 1
-        self.step_ms_ema = ms if self.steps == 1 else (1 - self._ema) * self.step_ms_ema + self._ema * ms
 
     def _deliver(self, out: StepOutput) -> None:
         session = self._sessions.get(out.request_id)
