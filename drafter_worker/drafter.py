@@ -84,14 +84,12 @@ class Drafter(StatelessProposer):
         for rid in ready:
             self._fold(rid, contexts[rid])
         kv, mask = self._padded_context(ready)
-        if self.block:
-            tokens, q, conf = self._draft_block(anchors, anchor_pos, kv, mask, sampling, gamma)
-        else:
-            tokens, q, conf = self._draft_chain(ready, anchor_pos, kv, mask, sampling, gamma)
+        tokens, q, conf, peaks = self._draft_block(anchors, anchor_pos, kv, mask, sampling, gamma) if self.block \
+            else self._draft_chain(ready, anchor_pos, kv, mask, sampling, gamma)
         for i, rid in enumerate(ready):
             q_ids, q_probs = (None, None) if q[i] is None else q[i]
             out[rid] = DraftBlock(tokens=tokens[i], q_ids=q_ids, q_probs=q_probs,
-                                  confidences=None if conf is None else conf[i].tolist())
+                                  confidences=None if conf is None else conf[i].tolist(), peaks=peaks[i].tolist())
         return out
 
     def _fold(self, rid: str, tokens: list[int]) -> None:
@@ -171,10 +169,14 @@ class Drafter(StatelessProposer):
         return self._collect(steps, [])
 
     def _sample(self, logits: torch.Tensor, sampling: list[SamplingParams]):
-        """logits [R, V] fp32 → next tokens [R] and per request (token, q ids [K], q probs [K]) or token only."""
+        """logits [R, V] fp32 → next tokens [R] and per request (token, q ids [K] and probs [K] or None, peak).
+
+        The peak max_v q(v) is taken before the token is drawn: the router's acceptance estimate for
+        drafters without a confidence head, which must not depend on the token itself.
+        """
         if all(p.greedy for p in sampling):  # the argmax is all a greedy block needs: no sort, no q
-            tokens = logits.argmax(-1)
-            return tokens, [(int(t), None) for t in tokens]
+            peak, tokens = logits.softmax(-1).max(-1)  # [R], [R]
+            return tokens, [(int(t), None, float(c)) for t, c in zip(tokens, peak, strict=True)]
         temps = torch.tensor([p.temperature for p in sampling], device=logits.device)
         top_k = torch.tensor([p.top_k for p in sampling], device=logits.device)
         top_p = torch.tensor([p.top_p for p in sampling], device=logits.device)
@@ -182,13 +184,17 @@ class Drafter(StatelessProposer):
         ids, q = truncate_to_sparse(probs, self.max_q)  # [R, K]
         pick = torch.multinomial(q, 1, generator=self.generator)  # [R, 1]
         tokens = torch.where(temps == 0, logits.argmax(-1), ids.gather(-1, pick)[:, 0])
-        draft = [(int(t), None) if p.greedy else (int(t), (ids[i], q[i]))
-                 for i, (t, p) in enumerate(zip(tokens, sampling, strict=True))]
+        greedy_peak = logits.softmax(-1).amax(-1)  # [R] T = 1 peak for greedy rows (their probs are one-hot)
+        peak = torch.where(temps == 0, greedy_peak, q[:, 0])  # q is sorted: column 0 is the max
+        draft = [(int(t), None, float(c)) if p.greedy else (int(t), (ids[i], q[i]), float(c))
+                 for i, (t, p, c) in enumerate(zip(tokens, sampling, peak, strict=True))]
         return tokens, draft
 
     def _collect(self, steps, conf_logits):
-        """Per-step lists → per-request tokens [γ], sparse q ([γ, K] ids, probs) or None, confidences [R, γ]."""
+        """Per-step lists → per-request tokens [γ], sparse q ([γ, K] ids, probs) or None, confidences [R, γ],
+        peaks [R, γ]."""
         tokens = [[step[i][0] for step in steps] for i in range(len(steps[0]))]
+        peaks = torch.tensor([[step[i][2] for step in steps] for i in range(len(steps[0]))])  # [R, γ]
         q = []
         for i in range(len(steps[0])):
             rows = [step[i][1] for step in steps]
@@ -198,4 +204,4 @@ class Drafter(StatelessProposer):
         if conf_logits:
             z = torch.stack(conf_logits, dim=1)  # [R, γ] confidence logits
             conf = self.calibration.apply(z) if self.calibration is not None else torch.sigmoid(z)
-        return tokens, q, conf
+        return tokens, q, conf, peaks

@@ -67,7 +67,7 @@ def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
 def block_to_pb(block: DraftBlock | None) -> pb.DraftBlock:
     if block is None or not block.tokens:
         return pb.DraftBlock()
-    msg = pb.DraftBlock(tokens=block.tokens, confidences=block.confidences or [])
+    msg = pb.DraftBlock(tokens=block.tokens, confidences=block.confidences or [], peaks=block.peaks or [])
     if block.q_ids is not None:
         msg.q.width = block.q_ids.shape[1]
         msg.q.token_ids.extend(block.q_ids.reshape(-1).tolist())
@@ -80,7 +80,9 @@ def block_from_pb(msg: pb.DraftBlock) -> DraftBlock:
     n = len(tokens)
     if msg.confidences and len(msg.confidences) != n:
         raise InvalidRequestError(f"{len(msg.confidences)} confidences for {n} draft tokens")
-    block = DraftBlock(tokens=tokens, confidences=list(msg.confidences) or None)
+    if msg.peaks and len(msg.peaks) != n:
+        raise InvalidRequestError(f"{len(msg.peaks)} peaks for {n} draft tokens")
+    block = DraftBlock(tokens=tokens, confidences=list(msg.confidences) or None, peaks=list(msg.peaks) or None)
     if msg.q.width and n:
         probs = tensor_from_pb(msg.q.probs)
         if probs is None or tuple(probs.shape) != (n, msg.q.width) or len(msg.q.token_ids) != n * msg.q.width:

@@ -25,7 +25,9 @@ def add_parsers(sub) -> None:
     for flag, kw in (("--model", {}), ("--host", {"help": "HTTP bind address"}), ("--port", {"type": int}),
                      ("--method", {}), ("--policy", {}), ("--gamma", {"type": int}),
                      ("--api-key", {"help": "accepted API key (else DSPARK_API_KEY)"}),
-                     ("--traces", {"choices": ("none", "console", "otlp")}), ("--otlp-traces-endpoint", {})):
+                     ("--traces", {"choices": ("none", "console", "otlp")}), ("--otlp-traces-endpoint", {}),
+                     ("--redis-url", {"help": "join this load board (redis://[user:password@]host:port/db); "
+                                              "default: a private redis-server on loopback when one is on PATH"})):
         serve.add_argument(flag, default=argparse.SUPPRESS, **kw)
     for role, settings in ROLES.items():
         p = sub.add_parser(role, help=_HELP[role])
@@ -61,9 +63,10 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the tiers too, as Ctrl-C does
     tiers, redis = [], None
     try:
-        if settings.verifier.redis_url is None and shutil.which("redis-server"):
+        if settings.router.redis_url is None and shutil.which("redis-server"):
             redis = RedisProcess().start()  # a private load board for this host, removed on exit
-            settings.verifier.redis_url = settings.drafter.redis_url = redis.url
+            settings.router.redis_url = redis.url
+        settings.verifier.redis_url = settings.drafter.redis_url = settings.router.redis_url
         wanted = [("verifier", settings.verifier)]
         if settings.router.method != "none":
             wanted.append(("drafter", settings.drafter))
@@ -91,7 +94,7 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
     """The file's sections, then `serve`'s flags: model and tracing go to every role, the rest to the router."""
     flags = _flags(args)
     base = load(ServeSettings, args.config, {})
-    common = {k: flags.pop(k) for k in ("model", "traces", "otlp_traces_endpoint") if k in flags}
+    common = {k: flags.pop(k) for k in ("model", "traces", "otlp_traces_endpoint", "redis_url") if k in flags}
     if "api_key" in flags:
         flags["api_key"] = [flags["api_key"]]
     # The gRPC tiers are private to this host: loopback, free ports.

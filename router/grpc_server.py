@@ -47,8 +47,9 @@ class RouterServicer(rpc.RouterServicer):
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                       f"context of {self.max_model_len} tokens")
-        spec = {k: v for k, v in (("method", msg.speculative.method), ("policy", msg.speculative.policy),
-                                  ("gamma", msg.speculative.gamma)) if v} or None
+        s = msg.speculative
+        spec = {k: v for k, v in (("method", s.method), ("policy", s.policy), ("gamma", s.gamma),
+                                  ("min_tokens_per_s", s.min_tokens_per_s)) if v} or None
         eos = () if msg.ignore_eos else tuple(self.tokenizer.eos_token_ids)
         return RouterRequest(ids, params, msg.request_id or uuid.uuid4().hex, tuple(msg.stop),
                              (*eos, *msg.stop_token_ids), spec)

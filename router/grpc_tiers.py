@@ -19,6 +19,7 @@ from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import channel
 from protos.status import error_from_rpc
+from router.tiers import VerifierProfile
 from services.errors import TierUnavailableError
 from services.types import DraftBlock, SamplingParams
 from verifier_worker.service import Prefilled, Verified
@@ -99,8 +100,9 @@ class GrpcVerifier:
         with contextlib.suppress(Exception):  # best effort: the cancelled stream frees the slot anyway
             await self.stub.Release(pb.ReleaseRequest(request_id=request_id), timeout=self.timeout_s)
 
-    async def profile(self) -> pb.ProfileReply:
-        return await _unary(self.address, self.stub.Profile, pb.ProfileRequest(), self.timeout_s)
+    async def profile(self) -> VerifierProfile:
+        reply = await _unary(self.address, self.stub.Profile, pb.ProfileRequest(), self.timeout_s)
+        return VerifierProfile(reply.engine_id or self.address, [(p.batch_tokens, p.step_ms) for p in reply.sps])
 
     async def load(self) -> pb.LoadReply:
         return await _unary(self.address, self.stub.Load, pb.LoadRequest(), self.timeout_s)

@@ -42,6 +42,16 @@ class RouterMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.verify_len = Histogram(PREFIX + "verify_len", "ℓ chosen per cycle", labels,
                                     buckets=tuple(range(17)), registry=r)
+        self.verify_budget = Histogram(PREFIX + "verify_budget", "Verify budget K (draft tokens per verifier step) "
+                                       "of the plan in force, per dspark cycle", labels,
+                                       buckets=(0, 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256), registry=r)
+        self.trimmed_draft_tokens = counter("spec_decode_num_trimmed_draft_tokens", "Drafted tokens the scheduler "
+                                            "did not send for verification")
+        self.scheduler_time = Histogram(PREFIX + "scheduler_time_seconds", "Time to choose ℓ for one block", labels,
+                                        buckets=(1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3), registry=r)
+        self.scheduler_cycles = counter("scheduler_cycles", "dspark cycles by the verifier load their plan counted: "
+                                        "board (a fresh load-board entry) or local (this router's own requests)",
+                                        ["source"])
         self.running = Gauge(PREFIX + "num_requests_running", "Requests in a session", labels, registry=r)
         self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests queued for a session", labels, registry=r)
         self.model = model
@@ -56,6 +66,15 @@ class RouterMetrics:
         self.num_accepted_tokens.labels(m).inc(accepted)
         for pos in range(accepted):
             self.accepted_per_pos.labels(m, str(pos)).inc()
+
+    def scheduled(self, drafted: int, verify_len: int, seconds: float, budget: int | None,
+                  source: str | None) -> None:
+        m = self.model
+        self.trimmed_draft_tokens.labels(m).inc(drafted - verify_len)
+        self.scheduler_time.labels(m).observe(seconds)
+        if budget is not None:
+            self.verify_budget.labels(m).observe(budget)
+            self.scheduler_cycles.labels(m, source).inc()
 
     def finished(self, reason: str, prompt_tokens: int, output_tokens: int, ttft_s: float, e2e_s: float) -> None:
         m = self.model

@@ -26,6 +26,8 @@ class SpeculativeOptions(BaseModel):
     method: str | None = None
     policy: str | None = None
     gamma: int | None = Field(None, ge=1)
+    min_tokens_per_s: float | None = Field(None, ge=0.0, le=1e6, description="SLA: raise this request's verify "
+                                           "length until its expected speed reaches this (policy dspark)")
 
 
 class _Common(BaseModel):

@@ -16,9 +16,11 @@ from drafter_worker.server import DrafterServicer
 from drafter_worker.service import DrafterService
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import GrpcServer
+from router.board_view import BoardView
 from router.grpc_server import RouterServicer
 from router.grpc_tiers import GrpcDrafter, GrpcVerifier
 from router.http_api import ApiConfig, build_app
+from router.planner import VerifyPlanner
 from router.policy import Policy
 from router.router import Router, RouterConfig
 from router.serve_config import DrafterSettings, RouterSettings, VerifierSettings
@@ -84,15 +86,15 @@ async def run_verifier(s: VerifierSettings, port_file: Path | None = None) -> No
     _threads(s.threads)
     tracer = _tracer("dspark-verifier", s)
     service = verifier_service(s)
-    sps = profile_sps(service.engine.model) if s.profile else []
+    sps = profile_sps(service.engine.model, context=256, repeats=5) if s.profile else []
     server = GrpcServer(s.host, s.port, ["dspark.v1.Verifier"])
-    rpc.add_VerifierServicer_to_server(VerifierServicer(service, tracer, sps), server.server)
+    rpc.add_VerifierServicer_to_server(VerifierServicer(service, tracer, sps, server.address), server.server)
     await service.start()
 
     def snapshot() -> dict:
         load = service.load()
         return {"running": load.running, "queued": load.waiting, "kv_used": load.kv_used, "kv_total": load.kv_total,
-                "step_ms_ema": load.step_ms_ema}
+                "step_ms_ema": load.step_ms_ema, "batch_tokens": load.batch_tokens}
 
     publisher = _publisher(s.redis_url, "verifier", server, snapshot, [(p.batch_tokens, p.step_ms) for p in sps])
     await server.serve_until_signal(service.stop, port_file)
@@ -137,7 +139,9 @@ def build_router(s: RouterSettings, tracer=None) -> tuple[Router, TextTokenizer,
     config = RouterConfig(default=Speculation(s.method, policy, s.gamma), max_gamma=s.max_gamma,
                           threshold=s.threshold, max_running=s.max_running, max_queue=s.max_queue)
     name = s.served_model_name or model_dir.name
-    router = Router(verifier, drafter, set(s.methods), config, tokenizer, tracer, model=name)
+    board = BoardView(RedisBoard(s.redis_url), s.board_stale_ms / 1000) if s.redis_url else None
+    router = Router(verifier, drafter, set(s.methods), config, tokenizer, tracer, model=name,
+                    planner=VerifyPlanner(s.threshold, board))
     return router, tokenizer, verifier, drafter
 
 
@@ -168,9 +172,11 @@ async def run_router(s: RouterSettings) -> None:
         grpc_server = GrpcServer("127.0.0.1", s.grpc_port, ["dspark.v1.Router"])
         rpc.add_RouterServicer_to_server(RouterServicer(router, tokenizer, s.max_model_len), grpc_server.server)
         await grpc_server.start()
+    await router.start()
     try:
         await server.serve()
     finally:
+        await router.stop()
         if grpc_server is not None:
             await grpc_server.stop(5.0)
         await verifier.close()

@@ -20,8 +20,8 @@ import torch
 from opentelemetry import trace
 
 from router.metrics import RouterMetrics
-from router.policy import Policy, choose_verify_len, max_verify_len
-from router.scheduler import survival
+from router.planner import Decision, VerifyPlanner
+from router.policy import Policy, max_verify_len, verify_len
 from router.session import Chunk, RouterRequest, Session, Speculation, resolve
 from router.text_stream import TextStream
 from router.tiers import DrafterTier, VerifierTier
@@ -48,14 +48,40 @@ class RouterConfig:
 class Router:
     def __init__(self, verifier: VerifierTier, drafter: DrafterTier | None, methods: set[str],
                  config: RouterConfig | None = None, tokenizer: TextTokenizer | None = None,
-                 tracer: trace.Tracer | None = None, metrics: RouterMetrics | None = None, model: str = ""):
+                 tracer: trace.Tracer | None = None, metrics: RouterMetrics | None = None, model: str = "",
+                 planner: VerifyPlanner | None = None):
         self.verifier, self.drafter, self.methods = verifier, drafter, methods if drafter else set()
         self.config = config or RouterConfig()
         self.tokenizer, self.model = tokenizer, model
         self.tracer = tracer or trace.NoOpTracer()
         self.metrics = metrics or RouterMetrics(model=model)
+        self.planner = planner or VerifyPlanner(self.config.threshold)
         self._slots = asyncio.Semaphore(self.config.max_running)
+        self._tasks: list[asyncio.Task] = []
         self.waiting = self.running = 0
+
+    async def start(self) -> None:
+        """Background work off the request path: the verifier's SPS profile, then the load board."""
+        self._tasks = [asyncio.create_task(self._fetch_profile())]
+        if self.planner.board is not None:
+            self._tasks.append(asyncio.create_task(self.planner.board.run()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _fetch_profile(self) -> None:
+        while True:
+            try:
+                profile = await self.verifier.profile()
+            except Exception as error:  # the verifier may still be starting
+                log.info("verifier profile not available yet (%s)", error)
+                await asyncio.sleep(1.0)
+                continue
+            self.planner.set_profile(profile.engine_id, profile.sps)
+            log.info("verifier %s: SPS profile of %d points", profile.engine_id, len(profile.sps))
+            return
 
     def speculation(self, options: dict | None) -> Speculation:
         return resolve(options, self.config.default, self.methods, self.config.max_gamma)
@@ -86,6 +112,7 @@ class Router:
         finally:
             self.running -= 1
             self.metrics.running.labels(self.model).dec()
+            self.planner.leave(session.request.request_id)
             self._slots.release()
             await asyncio.shield(self._release(session))
 
@@ -101,6 +128,7 @@ class Router:
             s.first_token_s = time.perf_counter() - s.started
             self.metrics.ttft.labels(self.model).observe(s.first_token_s)
             s.add_features(0, pre.features)
+            self.planner.join(rid)  # every decoding request is an anchor in the verifier's steps
             yield self._chunk(s, *s.commit(pre.emitted))
             if s.spec.policy is not Policy.NONE and self.drafter is not None and s.finish_reason() is None:
                 await self._open_drafter(s)
@@ -116,24 +144,45 @@ class Router:
 
     async def _cycle(self, s: Session) -> Chunk:
         s.cycle += 1
+        started = time.perf_counter()
         with self.tracer.start_as_current_span("cycle", attributes={"dspark.cycle": s.cycle}) as span:
             bound = max_verify_len(s.spec.policy, s.spec.gamma, s.remaining)
             block = await self._draft(s, bound) if bound > 0 else None
-            with self.tracer.start_as_current_span("schedule") as sched:
-                if block is not None:
-                    block = block.head(choose_verify_len(s.spec.policy, block, bound, self.config.threshold))
-                a = survival(block.confidences or []) if block is not None else []
-                sched.set_attributes({"dspark.verify_len": len(block or ()), "dspark.survival": a[-1] if a else 1.0})
+            decision = None
+            if block:
+                block, decision = self._schedule(s, block.head(verify_len(s.spec.policy, len(block), bound)))
             with self.tracer.start_as_current_span("verify") as vspan:
+                sent = time.perf_counter()
                 done = await self._verify(s, block)
                 out = done.output
                 vspan.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted})
+            if decision is not None:
+                self.planner.learn(s.spec.method, s.params.greedy, decision, out.num_drafts, out.num_accepted,
+                                   time.perf_counter() - sent)
             self.metrics.cycle(out.num_drafts, out.num_accepted)
+            s.observe_cycle(time.perf_counter() - started)
             s.add_features(out.feature_start, out.features)
             kept, text = s.commit(out.emitted)
             span.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted,
                                  "dspark.emitted": len(kept)})
             return self._chunk(s, kept, text)
+
+    def _schedule(self, s: Session, block: DraftBlock) -> tuple[DraftBlock, Decision]:
+        """Trim a block (capped by γ and the token budget) to the policy's ℓ."""
+        with self.tracer.start_as_current_span("schedule") as span:
+            t0 = time.perf_counter()
+            d = self.planner.decide(s.request.request_id, s.spec.policy, s.spec.method, s.params.greedy, block,
+                                    s.spec.min_tokens_per_s * s.cycle_s)
+            source = None if d.plan is None else ("local" if d.plan.fallback else "board")
+            self.metrics.scheduled(d.drafted, d.verify_len, time.perf_counter() - t0,
+                                   None if d.plan is None else d.plan.budget, source)
+            attrs = {"dspark.verify_len": d.verify_len, "dspark.drafted": d.drafted,
+                     "dspark.survival": d.survivals[d.verify_len - 1] if d.verify_len else 1.0}
+            if d.plan is not None:
+                attrs |= {"dspark.budget": d.plan.budget, "dspark.lambda": d.plan.threshold,
+                          "dspark.planned_batch_tokens": d.plan.batch_tokens, "dspark.load_source": source}
+            span.set_attributes(attrs)
+        return block.head(d.verify_len), d
 
     # ---- drafter ------------------------------------------------------------------------------
     async def _open_drafter(self, s: Session) -> None:

@@ -37,7 +37,7 @@ class VerifierSettings(_Settings):
     tap_layers: list[int] | None = Field(None, description="feature taps; default: the drafters' (1, n/2, n−2)")
     lease_s: float = Field(60.0, gt=0, description="free requests prefilled but never attached to a stream")
     batch_window_ms: float = Field(5.0, ge=0, description="how long a step waits for the rest of its sessions")
-    profile: bool = Field(False, description="measure the SPS(B) table at start-up")
+    profile: bool = Field(True, description="measure the SPS(B) table at start-up (the dspark policy needs it)")
     redis_url: str | None = Field(None, description="publish load (and the SPS profile) to this Redis")
     traces: Traces = "none"
     otlp_traces_endpoint: str | None = None
@@ -70,10 +70,16 @@ class RouterSettings(_Settings):
     drafter: str | None = Field("127.0.0.1:50052", description="drafter address; null: no speculation")
     methods: list[str] = Field(["dspark", "dflash", "eagle3", "mtp"], description="methods the drafter hosts")
     method: str = Field("dspark", description="default speculative method (none to switch speculation off)")
-    policy: Literal["none", "fixed", "mtp1", "threshold"] = "fixed"
+    policy: Literal["none", "fixed", "mtp1", "threshold", "dspark"] = Field(
+        "dspark", description="verify-length policy: dspark trims each block to the verifier's load")
     gamma: int = Field(7, ge=1, le=16)
     max_gamma: int = Field(16, ge=1)
-    threshold: float = Field(0.3, ge=0.0, le=1.0, description="λ of the threshold policy")
+    threshold: float = Field(0.3, ge=0.0, le=1.0, description="λ of the threshold policy (and of dspark until the "
+                             "verifier's SPS profile is known)")
+    redis_url: str | None = Field(None, description="read verifier load from this load board (null: count only "
+                                  "this router's requests)")
+    board_stale_ms: float = Field(500.0, gt=0, description="a board entry whose seq has not moved for this long "
+                                  "is stale")
     max_running: int = Field(64, ge=1)
     max_queue: int = Field(256, ge=0)
     api_key: list[str] | None = Field(None, description="accepted API keys (or DSPARK_API_KEY)")

@@ -21,6 +21,7 @@ class Speculation:
     method: str = "none"  # none | mtp | eagle3 | dflash | dspark | …
     policy: Policy = Policy.NONE
     gamma: int = 0
+    min_tokens_per_s: float = 0.0  # SLA of policy dspark: 0 = none
 
 
 @dataclass(slots=True)
@@ -63,6 +64,7 @@ class Session:
     new_features: list[torch.Tensor] = field(default_factory=list)
     feature_start: int = 0
     features: list[torch.Tensor] = field(default_factory=list)  # all features, for reopening a drafter
+    cycle_s: float = 0.0  # EMA of this request's cycle time (the SLA's yardstick)
 
     @property
     def params(self) -> SamplingParams:
@@ -75,6 +77,9 @@ class Session:
     @property
     def committed(self) -> list[int]:
         return [*self.request.prompt_ids, *self.output]
+
+    def observe_cycle(self, seconds: float) -> None:
+        self.cycle_s = seconds if self.cycle_s == 0 else 0.8 * self.cycle_s + 0.2 * seconds
 
     def add_features(self, start: int, feats: torch.Tensor | None) -> None:
         if feats is None or not len(feats):
@@ -115,7 +120,7 @@ def resolve(options: dict | None, default: Speculation, methods: set[str], max_g
     """A request's speculative options within what the deployment allows (InvalidRequestError otherwise)."""
     if not options:
         return default
-    unknown = set(options) - {"method", "policy", "gamma"}
+    unknown = set(options) - {"method", "policy", "gamma", "min_tokens_per_s"}
     if unknown:
         raise InvalidRequestError(f"unknown speculative option(s): {', '.join(sorted(unknown))}")
     method = options.get("method") or default.method
@@ -131,4 +136,7 @@ def resolve(options: dict | None, default: Speculation, methods: set[str], max_g
         raise InvalidRequestError(f"gamma must be an integer in [1, {max_gamma}], got {gamma!r}")
     if (method == "none") != (policy is Policy.NONE):
         raise InvalidRequestError(f"policy {policy} does not go with method {method}")
-    return Speculation(method, policy, 1 if policy is Policy.MTP1 else gamma)
+    sla = options.get("min_tokens_per_s") or 0.0
+    if not isinstance(sla, int | float) or not 0 <= sla <= 1e6 or sla != sla:
+        raise InvalidRequestError(f"min_tokens_per_s must be a number in [0, 1e6], got {sla!r}")
+    return Speculation(method, policy, 1 if policy is Policy.MTP1 else gamma, float(sla))

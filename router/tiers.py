@@ -7,6 +7,7 @@ unchanged over loopback gRPC, over remote replicas, or in one process (tests and
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -16,6 +17,12 @@ from services.types import DraftBlock, SamplingParams
 from verifier_worker.service import Prefilled, Verified, VerifierService
 
 
+@dataclass(frozen=True, slots=True)
+class VerifierProfile:
+    engine_id: str  # the replica's key on the load board
+    sps: list[tuple[int, float]] = field(default_factory=list)  # (batch tokens, step ms); empty: not profiled
+
+
 class VerifierTier(Protocol):
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       resume_ids: list[int], traceparent: str) -> Prefilled: ...
@@ -23,6 +30,8 @@ class VerifierTier(Protocol):
     async def verify(self, request_id: str, cycle: int, draft: DraftBlock | None, traceparent: str) -> Verified: ...
 
     async def release(self, request_id: str) -> None: ...
+
+    async def profile(self) -> VerifierProfile: ...
 
 
 class DrafterTier(Protocol):
@@ -38,8 +47,8 @@ class DrafterTier(Protocol):
 class LocalVerifier:
     """A `VerifierService` in this process."""
 
-    def __init__(self, service: VerifierService):
-        self.service = service
+    def __init__(self, service: VerifierService, profile: VerifierProfile | None = None):
+        self.service, self._profile = service, profile or VerifierProfile("local")
 
     async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent) -> Prefilled:
         return await self.service.prefill(request_id, prompt_ids, params, resume_ids)
@@ -49,6 +58,9 @@ class LocalVerifier:
 
     async def release(self, request_id) -> None:
         await self.service.release(request_id)
+
+    async def profile(self) -> VerifierProfile:
+        return self._profile
 
 
 class LocalDrafter:

@@ -62,6 +62,9 @@ class DraftBlock:
     q_ids: torch.Tensor | None = None  # [γ, K] int64
     q_probs: torch.Tensor | None = None  # [γ, K] fp32
     confidences: list[float] | None = None  # [γ] c_k, when the drafter has a confidence head
+    # [γ] max_v q_k(v) of the draft distribution each token was drawn from (computed from x_<k only,
+    # never from x_k): the acceptance signal of drafters without a confidence head
+    peaks: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -74,6 +77,7 @@ class DraftBlock:
             q_ids=None if self.q_ids is None else self.q_ids[cut],
             q_probs=None if self.q_probs is None else self.q_probs[cut],
             confidences=None if self.confidences is None else self.confidences[cut],
+            peaks=None if self.peaks is None else self.peaks[cut],
         )
 
 

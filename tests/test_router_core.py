@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from drafter_worker.service import DrafterService
-from router.policy import Policy, choose_verify_len
+from router.planner import VerifyPlanner
+from router.policy import Policy
 from router.session import Speculation, resolve
 from router.text_stream import TextStream
 from services.errors import InvalidRequestError, StaleCycleError
@@ -55,15 +56,31 @@ def test_speculative_options_within_the_deployment():
             resolve(bad, default, methods, 16)
 
 
-def test_threshold_policy_reads_only_the_confidences_of_the_prefix():
+def test_speculative_sla_option():
+    default = Speculation("dspark", Policy.DSPARK, 7)
+    assert resolve({"min_tokens_per_s": 40}, default, {"dspark"}, 16) == Speculation("dspark", Policy.DSPARK, 7, 40.0)
+    for bad in (-1, "fast", float("nan")):
+        with pytest.raises(InvalidRequestError):
+            resolve({"min_tokens_per_s": bad}, default, {"dspark"}, 16)
+
+
+def test_threshold_policy_reads_only_the_estimates_of_the_prefix():
+    planner = VerifyPlanner(threshold=0.5)  # no outcomes yet: the estimates are the signals themselves
+
+    def ell(policy, block, needed=0.0):
+        return planner.decide("r", policy, "dspark", True, block, needed).verify_len
+
     block = DraftBlock(tokens=[5, 6, 7, 8], confidences=[0.9, 0.8, 0.3, 0.9])
-    assert choose_verify_len(Policy.THRESHOLD, block, 4, 0.5) == 2  # a_3 = 0.216 < 0.5
-    assert choose_verify_len(Policy.THRESHOLD, block, 1, 0.5) == 1  # the budget bound comes first
-    assert choose_verify_len(Policy.FIXED, block, 4, 0.5) == 4
+    assert ell(Policy.THRESHOLD, block) == 2  # a_3 = 0.216 < 0.5
+    assert ell(Policy.FIXED, block) == 4
     # Changing the tokens (and anything after the cut) leaves ℓ unchanged: non-anticipating.
-    other = DraftBlock(tokens=[1, 2, 3, 4], confidences=[0.9, 0.8, 0.3, 0.0])
-    assert choose_verify_len(Policy.THRESHOLD, other, 4, 0.5) == 2
-    assert choose_verify_len(Policy.THRESHOLD, DraftBlock(tokens=[1, 2]), 4, 0.5) == 2  # no head: all of it
+    assert ell(Policy.THRESHOLD, DraftBlock(tokens=[1, 2, 3, 4], confidences=[0.9, 0.8, 0.3, 0.0])) == 2
+    # Without a head the draft peaks are the signal; without either, ĉ = ½ per position.
+    assert ell(Policy.THRESHOLD, DraftBlock(tokens=[1, 2, 3], peaks=[0.95, 0.9, 0.2])) == 2
+    assert ell(Policy.THRESHOLD, DraftBlock(tokens=[1, 2])) == 1
+    # An SLA of 2.5 tokens per cycle lengthens ℓ until 1 + Σ a_j reaches it: 1 + 0.9 + 0.72 ≥ 2.5 at ℓ = 2,
+    # and 3.0 needs ℓ = 4 (never more than the block).
+    assert ell(Policy.THRESHOLD, block, 2.5) == 2 and ell(Policy.THRESHOLD, block, 3.0) == 4
 
 
 def test_drafter_service_rejects_stale_cycles_and_gaps_in_features():

@@ -25,7 +25,8 @@ PROMPTS = ["def fibonacci(n):", "import os\n\n", "<|user|>\nWhat is 12 + 30?<|en
 
 
 def verifier_settings(**kw) -> VerifierSettings:
-    return VerifierSettings(**{"dtype": "float32", "port": 0, "threads": 1, "num_slots": 8, "max_len": 512, **kw})
+    return VerifierSettings(**{"dtype": "float32", "port": 0, "threads": 1, "num_slots": 8, "max_len": 512,
+                               "profile": False, **kw})
 
 
 def drafter_settings(**kw) -> DrafterSettings:
@@ -53,7 +54,9 @@ def api_server(settings: RouterSettings, tracer=None):
                         lambda: tier_health(verifier, drafter), tracer)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         state.update(server=server, router=router)
+        await router.start()
         await server.serve()
+        await router.stop()
         await verifier.close()
         if drafter is not None:
             await drafter.close()

@@ -75,6 +75,7 @@ class Engine:
             self.row_invariant = model.dtype != torch.float32
         self._running: OrderedDict[str, _Request] = OrderedDict()
         self._waiting: deque[_Request] = deque()
+        self.last_batch_tokens = 0  # tokens in the last step's forward (the load board's batch_tokens)
 
     # ---- requests -----------------------------------------------------------------------------
     @property
@@ -164,6 +165,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         items = self._schedule()
+        self.last_batch_tokens = sum(len(it.new_tokens) for it in items)
         if not items:
             return []
         logits, features = self._execute(items)

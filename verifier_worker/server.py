@@ -23,8 +23,8 @@ from verifier_worker.service import VerifierService
 
 class VerifierServicer(rpc.VerifierServicer):
     def __init__(self, service: VerifierService, tracer: trace.Tracer | None = None,
-                 sps: list[SpsPoint] | None = None):
-        self.service, self.sps = service, sps or []
+                 sps: list[SpsPoint] | None = None, engine_id: str = ""):
+        self.service, self.sps, self.engine_id = service, sps or [], engine_id
         self.tracer = tracer or trace.NoOpTracer()
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillReply:
@@ -90,10 +90,11 @@ class VerifierServicer(rpc.VerifierServicer):
             model=self.service.model_name, vocab_size=cfg.vocab_size, max_len=engine.max_len,
             num_slots=engine.config.num_slots, tap_layers=list(engine.model.tap_layers), hidden_size=cfg.hidden_size,
             sps=[pb.SpsPoint(batch_tokens=p.batch_tokens, step_ms=p.step_ms) for p in self.sps],
+            engine_id=self.engine_id,
         )
 
     async def Load(self, request: pb.LoadRequest, context) -> pb.LoadReply:
         load = self.service.load()
         return pb.LoadReply(running=load.running, waiting=load.waiting, kv_used=load.kv_used,
                             kv_total=load.kv_total, step_ms_ema=load.step_ms_ema, steps=load.steps,
-                            streams=load.streams)
+                            streams=load.streams, batch_tokens=load.batch_tokens)

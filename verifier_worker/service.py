@@ -46,6 +46,7 @@ class VerifierLoad:
     step_ms_ema: float
     steps: int
     streams: int
+    batch_tokens: int  # tokens in the last step
 
 
 @dataclass(slots=True)
@@ -138,7 +139,7 @@ class VerifierService:
         return VerifierLoad(
             running=self.engine.num_running, waiting=self.engine.num_waiting, kv_used=usage.tokens_used,
             kv_total=usage.tokens_total, step_ms_ema=self.timer.ema_ms, steps=self.timer.steps,
-            streams=sum(s.streams for s in self._sessions.values()),
+            streams=sum(s.streams for s in self._sessions.values()), batch_tokens=self.engine.last_batch_tokens,
         )
 
     # ---- internals ----------------------------------------------------------------------------

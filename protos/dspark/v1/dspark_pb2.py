@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/dspark/v1/dspark.proto\x12\tdspark.v1\"F\n\x06Tensor\x12\x1f\n\x05\x64type\x18\x01 \x01(\x0e\x32\x10.dspark.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"s\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\rB\x07\n\x05_seed\"M\n\x07SparseQ\x12\r\n\x05width\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12 \n\x05probs\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\"P\n\nDraftBlock\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x1d\n\x01q\x18\x02 \x01(\x0b\x32\x12.dspark.v1.SparseQ\x12\x13\n\x0b\x63onfidences\x18\x03 \x03(\x02\"\xb5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x12\n\nresume_ids\x18\x04 \x03(\r\x12\'\n\rfeature_dtype\x18\x05 \x01(\x0e\x32\x10.dspark.v1.DType\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\"z\n\x0cPrefillReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x63ycle\x18\x02 \x01(\x04\x12\x0f\n\x07\x65mitted\x18\x03 \x03(\r\x12\x11\n\tcommitted\x18\x04 \x01(\r\x12#\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x11.dspark.v1.Tensor\"\x96\x01\n\rVerifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x63ycle\x18\x02 \x01(\x04\x12$\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x15.dspark.v1.DraftBlock\x12\'\n\rfeature_dtype\x18\x04 \x01(\x0e\x32\x10.dspark.v1.DType\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\"\xdf\x01\n\x0bVerifyReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x63ycle\x18\x02 \x01(\x04\x12\x0f\n\x07\x65mitted\x18\x03 \x03(\r\x12\x12\n\nnum_drafts\x18\x04 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x05 \x01(\r\x12#\n\x07outcome\x18\x06 \x01(\x0e\x32\x12.dspark.v1.Outcome\x12\x15\n\rfeature_start\x18\x07 \x01(\r\x12#\n\x08\x66\x65\x61tures\x18\x08 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\x11\n\tcommitted\x18\t \x01(\r\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x10\n\x0eProfileRequest\"1\n\x08SpsPoint\x12\x14\n\x0c\x62\x61tch_tokens\x18\x01 \x01(\r\x12\x0f\n\x07step_ms\x18\x02 \x01(\x01\"\xa0\x01\n\x0cProfileReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x0f\n\x07max_len\x18\x03 \x01(\r\x12\x11\n\tnum_slots\x18\x04 \x01(\r\x12\x12\n\ntap_layers\x18\x05 \x03(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12 \n\x03sps\x18\x07 \x03(\x0b\x32\x13.dspark.v1.SpsPoint\"\r\n\x0bLoadRequest\"\x85\x01\n\tLoadReply\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x0f\n\x07kv_used\x18\x03 \x01(\r\x12\x10\n\x08kv_total\x18\x04 \x01(\r\x12\x13\n\x0bstep_ms_ema\x18\x05 \x01(\x01\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x0f\n\x07streams\x18\x07 \x01(\r\"\xba\x01\n\x0bOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ontext_ids\x18\x02 \x03(\r\x12#\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\r\n\x05\x63ycle\x18\x05 \x01(\x04\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\x12\x0e\n\x06method\x18\x07 \x01(\t\"G\n\tOpenReply\x12\x16\n\x0e\x63ontext_length\x18\x01 \x01(\r\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\"\xa2\x01\n\x0c\x44raftRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x63ycle\x18\x02 \x01(\x04\x12\x0f\n\x07new_ids\x18\x03 \x03(\r\x12\x15\n\rfeature_start\x18\x04 \x01(\r\x12#\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\r\n\x05gamma\x18\x06 \x01(\r\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\"U\n\nDraftReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x63ycle\x18\x02 \x01(\x04\x12$\n\x05\x62lock\x18\x03 \x01(\x0b\x32\x15.dspark.v1.DraftBlock\"i\n\x10\x44rafterLoadReply\x12\x10\n\x08\x63ontexts\x18\x01 \x01(\r\x12\x0f\n\x07streams\x18\x02 \x01(\r\x12\x0e\n\x06queued\x18\x03 \x01(\r\x12\x13\n\x0bstep_ms_ema\x18\x04 \x01(\x01\x12\r\n\x05steps\x18\x05 \x01(\x04\"<\n\x0bSpeculative\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\r\n\x05gamma\x18\x03 \x01(\r\"\xdb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12+\n\x0bspeculative\x18\x07 \x01(\x0b\x32\x16.dspark.v1.Speculative\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\"\x9c\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\r\n\x05\x63ycle\x18\x07 \x01(\r*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03*_\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x11\n\rOUTCOME_BONUS\x10\x01\x12\x15\n\x11OUTCOME_RECOVERED\x10\x02\x12\x11\n\rOUTCOME_FIRST\x10\x03\x32\xbd\x02\n\x08Verifier\x12=\n\x07Prefill\x12\x19.dspark.v1.PrefillRequest\x1a\x17.dspark.v1.PrefillReply\x12>\n\x06Verify\x12\x18.dspark.v1.VerifyRequest\x1a\x16.dspark.v1.VerifyReply(\x01\x30\x01\x12=\n\x07Release\x12\x19.dspark.v1.ReleaseRequest\x1a\x17.dspark.v1.ReleaseReply\x12=\n\x07Profile\x12\x19.dspark.v1.ProfileRequest\x1a\x17.dspark.v1.ProfileReply\x12\x34\n\x04Load\x12\x16.dspark.v1.LoadRequest\x1a\x14.dspark.v1.LoadReply2\xf8\x01\n\x07\x44rafter\x12\x34\n\x04Open\x12\x16.dspark.v1.OpenRequest\x1a\x14.dspark.v1.OpenReply\x12;\n\x05\x44raft\x12\x17.dspark.v1.DraftRequest\x1a\x15.dspark.v1.DraftReply(\x01\x30\x01\x12=\n\x07Release\x12\x19.dspark.v1.ReleaseRequest\x1a\x17.dspark.v1.ReleaseReply\x12;\n\x04Load\x12\x16.dspark.v1.LoadRequest\x1a\x1b.dspark.v1.DrafterLoadReply2L\n\x06Router\x12\x42\n\x08Generate\x12\x1a.dspark.v1.GenerateRequest\x1a\x18.dspark.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/dspark/v1/dspark.proto\x12\tdspark.v1\"F\n\x06Tensor\x12\x1f\n\x05\x64type\x18\x01 \x01(\x0e\x32\x10.dspark.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"s\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\rB\x07\n\x05_seed\"M\n\x07SparseQ\x12\r\n\x05width\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12 \n\x05probs\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\"_\n\nDraftBlock\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x1d\n\x01q\x18\x02 \x01(\x0b\x32\x12.dspark.v1.SparseQ\x12\x13\n\x0b\x63onfidences\x18\x03 \x03(\x02\x12\r\n\x05peaks\x18\x04 \x03(\x02\"\xb5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x12\n\nresume_ids\x18\x04 \x03(\r\x12\'\n\rfeature_dtype\x18\x05 \x01(\x0e\x32\x10.dspark.v1.DType\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\"z\n\x0cPrefillReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x63ycle\x18\x02 \x01(\x04\x12\x0f\n\x07\x65mitted\x18\x03 \x03(\r\x12\x11\n\tcommitted\x18\x04 \x01(\r\x12#\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x11.dspark.v1.Tensor\"\x96\x01\n\rVerifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x63ycle\x18\x02 \x01(\x04\x12$\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x15.dspark.v1.DraftBlock\x12\'\n\rfeature_dtype\x18\x04 \x01(\x0e\x32\x10.dspark.v1.DType\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\"\xdf\x01\n\x0bVerifyReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x63ycle\x18\x02 \x01(\x04\x12\x0f\n\x07\x65mitted\x18\x03 \x03(\r\x12\x12\n\nnum_drafts\x18\x04 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x05 \x01(\r\x12#\n\x07outcome\x18\x06 \x01(\x0e\x32\x12.dspark.v1.Outcome\x12\x15\n\rfeature_start\x18\x07 \x01(\r\x12#\n\x08\x66\x65\x61tures\x18\x08 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\x11\n\tcommitted\x18\t \x01(\r\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x10\n\x0eProfileRequest\"1\n\x08SpsPoint\x12\x14\n\x0c\x62\x61tch_tokens\x18\x01 \x01(\r\x12\x0f\n\x07step_ms\x18\x02 \x01(\x01\"\xb3\x01\n\x0cProfileReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x0f\n\x07max_len\x18\x03 \x01(\r\x12\x11\n\tnum_slots\x18\x04 \x01(\r\x12\x12\n\ntap_layers\x18\x05 \x03(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12 \n\x03sps\x18\x07 \x03(\x0b\x32\x13.dspark.v1.SpsPoint\x12\x11\n\tengine_id\x18\x08 \x01(\t\"\r\n\x0bLoadRequest\"\x9b\x01\n\tLoadReply\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x0f\n\x07kv_used\x18\x03 \x01(\r\x12\x10\n\x08kv_total\x18\x04 \x01(\r\x12\x13\n\x0bstep_ms_ema\x18\x05 \x01(\x01\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x0f\n\x07streams\x18\x07 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x08 \x01(\r\"\xba\x01\n\x0bOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ontext_ids\x18\x02 \x03(\r\x12#\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\r\n\x05\x63ycle\x18\x05 \x01(\x04\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\x12\x0e\n\x06method\x18\x07 \x01(\t\"G\n\tOpenReply\x12\x16\n\x0e\x63ontext_length\x18\x01 \x01(\r\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\"\xa2\x01\n\x0c\x44raftRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x63ycle\x18\x02 \x01(\x04\x12\x0f\n\x07new_ids\x18\x03 \x03(\r\x12\x15\n\rfeature_start\x18\x04 \x01(\r\x12#\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\r\n\x05gamma\x18\x06 \x01(\r\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\"U\n\nDraftReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x63ycle\x18\x02 \x01(\x04\x12$\n\x05\x62lock\x18\x03 \x01(\x0b\x32\x15.dspark.v1.DraftBlock\"i\n\x10\x44rafterLoadReply\x12\x10\n\x08\x63ontexts\x18\x01 \x01(\r\x12\x0f\n\x07streams\x18\x02 \x01(\r\x12\x0e\n\x06queued\x18\x03 \x01(\r\x12\x13\n\x0bstep_ms_ema\x18\x04 \x01(\x01\x12\r\n\x05steps\x18\x05 \x01(\x04\"V\n\x0bSpeculative\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\r\n\x05gamma\x18\x03 \x01(\r\x12\x18\n\x10min_tokens_per_s\x18\x04 \x01(\x02\"\xdb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12+\n\x0bspeculative\x18\x07 \x01(\x0b\x32\x16.dspark.v1.Speculative\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\"\x9c\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\r\n\x05\x63ycle\x18\x07 \x01(\r*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03*_\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x11\n\rOUTCOME_BONUS\x10\x01\x12\x15\n\x11OUTCOME_RECOVERED\x10\x02\x12\x11\n\rOUTCOME_FIRST\x10\x03\x32\xbd\x02\n\x08Verifier\x12=\n\x07Prefill\x12\x19.dspark.v1.PrefillRequest\x1a\x17.dspark.v1.PrefillReply\x12>\n\x06Verify\x12\x18.dspark.v1.VerifyRequest\x1a\x16.dspark.v1.VerifyReply(\x01\x30\x01\x12=\n\x07Release\x12\x19.dspark.v1.ReleaseRequest\x1a\x17.dspark.v1.ReleaseReply\x12=\n\x07Profile\x12\x19.dspark.v1.ProfileRequest\x1a\x17.dspark.v1.ProfileReply\x12\x34\n\x04Load\x12\x16.dspark.v1.LoadRequest\x1a\x14.dspark.v1.LoadReply2\xf8\x01\n\x07\x44rafter\x12\x34\n\x04Open\x12\x16.dspark.v1.OpenRequest\x1a\x14.dspark.v1.OpenReply\x12;\n\x05\x44raft\x12\x17.dspark.v1.DraftRequest\x1a\x15.dspark.v1.DraftReply(\x01\x30\x01\x12=\n\x07Release\x12\x19.dspark.v1.ReleaseRequest\x1a\x17.dspark.v1.ReleaseReply\x12;\n\x04Load\x12\x16.dspark.v1.LoadRequest\x1a\x1b.dspark.v1.DrafterLoadReply2L\n\x06Router\x12\x42\n\x08Generate\x12\x1a.dspark.v1.GenerateRequest\x1a\x18.dspark.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.dspark.v1.dspark_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2600
-  _globals['_DTYPE']._serialized_end=2688
-  _globals['_OUTCOME']._serialized_start=2690
-  _globals['_OUTCOME']._serialized_end=2785
+  _globals['_DTYPE']._serialized_start=2682
+  _globals['_DTYPE']._serialized_end=2770
+  _globals['_OUTCOME']._serialized_start=2772
+  _globals['_OUTCOME']._serialized_end=2867
   _globals['_TENSOR']._serialized_start=44
   _globals['_TENSOR']._serialized_end=114
   _globals['_SAMPLINGPARAMS']._serialized_start=116
@@ -42,49 +42,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPARSEQ']._serialized_start=233
   _globals['_SPARSEQ']._serialized_end=310
   _globals['_DRAFTBLOCK']._serialized_start=312
-  _globals['_DRAFTBLOCK']._serialized_end=392
-  _globals['_PREFILLREQUEST']._serialized_start=395
-  _globals['_PREFILLREQUEST']._serialized_end=576
-  _globals['_PREFILLREPLY']._serialized_start=578
-  _globals['_PREFILLREPLY']._serialized_end=700
-  _globals['_VERIFYREQUEST']._serialized_start=703
-  _globals['_VERIFYREQUEST']._serialized_end=853
-  _globals['_VERIFYREPLY']._serialized_start=856
-  _globals['_VERIFYREPLY']._serialized_end=1079
-  _globals['_RELEASEREQUEST']._serialized_start=1081
-  _globals['_RELEASEREQUEST']._serialized_end=1117
-  _globals['_RELEASEREPLY']._serialized_start=1119
-  _globals['_RELEASEREPLY']._serialized_end=1151
-  _globals['_PROFILEREQUEST']._serialized_start=1153
-  _globals['_PROFILEREQUEST']._serialized_end=1169
-  _globals['_SPSPOINT']._serialized_start=1171
-  _globals['_SPSPOINT']._serialized_end=1220
-  _globals['_PROFILEREPLY']._serialized_start=1223
-  _globals['_PROFILEREPLY']._serialized_end=1383
-  _globals['_LOADREQUEST']._serialized_start=1385
-  _globals['_LOADREQUEST']._serialized_end=1398
-  _globals['_LOADREPLY']._serialized_start=1401
-  _globals['_LOADREPLY']._serialized_end=1534
-  _globals['_OPENREQUEST']._serialized_start=1537
-  _globals['_OPENREQUEST']._serialized_end=1723
-  _globals['_OPENREPLY']._serialized_start=1725
-  _globals['_OPENREPLY']._serialized_end=1796
-  _globals['_DRAFTREQUEST']._serialized_start=1799
-  _globals['_DRAFTREQUEST']._serialized_end=1961
-  _globals['_DRAFTREPLY']._serialized_start=1963
-  _globals['_DRAFTREPLY']._serialized_end=2048
-  _globals['_DRAFTERLOADREPLY']._serialized_start=2050
-  _globals['_DRAFTERLOADREPLY']._serialized_end=2155
-  _globals['_SPECULATIVE']._serialized_start=2157
-  _globals['_SPECULATIVE']._serialized_end=2217
-  _globals['_GENERATEREQUEST']._serialized_start=2220
-  _globals['_GENERATEREQUEST']._serialized_end=2439
-  _globals['_GENERATECHUNK']._serialized_start=2442
-  _globals['_GENERATECHUNK']._serialized_end=2598
-  _globals['_VERIFIER']._serialized_start=2788
-  _globals['_VERIFIER']._serialized_end=3105
-  _globals['_DRAFTER']._serialized_start=3108
-  _globals['_DRAFTER']._serialized_end=3356
-  _globals['_ROUTER']._serialized_start=3358
-  _globals['_ROUTER']._serialized_end=3434
+  _globals['_DRAFTBLOCK']._serialized_end=407
+  _globals['_PREFILLREQUEST']._serialized_start=410
+  _globals['_PREFILLREQUEST']._serialized_end=591
+  _globals['_PREFILLREPLY']._serialized_start=593
+  _globals['_PREFILLREPLY']._serialized_end=715
+  _globals['_VERIFYREQUEST']._serialized_start=718
+  _globals['_VERIFYREQUEST']._serialized_end=868
+  _globals['_VERIFYREPLY']._serialized_start=871
+  _globals['_VERIFYREPLY']._serialized_end=1094
+  _globals['_RELEASEREQUEST']._serialized_start=1096
+  _globals['_RELEASEREQUEST']._serialized_end=1132
+  _globals['_RELEASEREPLY']._serialized_start=1134
+  _globals['_RELEASEREPLY']._serialized_end=1166
+  _globals['_PROFILEREQUEST']._serialized_start=1168
+  _globals['_PROFILEREQUEST']._serialized_end=1184
+  _globals['_SPSPOINT']._serialized_start=1186
+  _globals['_SPSPOINT']._serialized_end=1235
+  _globals['_PROFILEREPLY']._serialized_start=1238
+  _globals['_PROFILEREPLY']._serialized_end=1417
+  _globals['_LOADREQUEST']._serialized_start=1419
+  _globals['_LOADREQUEST']._serialized_end=1432
+  _globals['_LOADREPLY']._serialized_start=1435
+  _globals['_LOADREPLY']._serialized_end=1590
+  _globals['_OPENREQUEST']._serialized_start=1593
+  _globals['_OPENREQUEST']._serialized_end=1779
+  _globals['_OPENREPLY']._serialized_start=1781
+  _globals['_OPENREPLY']._serialized_end=1852
+  _globals['_DRAFTREQUEST']._serialized_start=1855
+  _globals['_DRAFTREQUEST']._serialized_end=2017
+  _globals['_DRAFTREPLY']._serialized_start=2019
+  _globals['_DRAFTREPLY']._serialized_end=2104
+  _globals['_DRAFTERLOADREPLY']._serialized_start=2106
+  _globals['_DRAFTERLOADREPLY']._serialized_end=2211
+  _globals['_SPECULATIVE']._serialized_start=2213
+  _globals['_SPECULATIVE']._serialized_end=2299
+  _globals['_GENERATEREQUEST']._serialized_start=2302
+  _globals['_GENERATEREQUEST']._serialized_end=2521
+  _globals['_GENERATECHUNK']._serialized_start=2524
+  _globals['_GENERATECHUNK']._serialized_end=2680
+  _globals['_VERIFIER']._serialized_start=2870
+  _globals['_VERIFIER']._serialized_end=3187
+  _globals['_DRAFTER']._serialized_start=3190
+  _globals['_DRAFTER']._serialized_end=3438
+  _globals['_ROUTER']._serialized_start=3440
+  _globals['_ROUTER']._serialized_end=3516
 # @@protoc_insertion_point(module_scope)

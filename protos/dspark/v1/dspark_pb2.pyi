@@ -64,14 +64,16 @@ class SparseQ(_message.Message):
     def __init__(self, width: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
-    __slots__ = ("tokens", "q", "confidences")
+    __slots__ = ("tokens", "q", "confidences", "peaks")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
+    PEAKS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     q: SparseQ
     confidences: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseQ, _Mapping]] = ..., confidences: _Optional[_Iterable[float]] = ...) -> None: ...
+    peaks: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseQ, _Mapping]] = ..., confidences: _Optional[_Iterable[float]] = ..., peaks: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "params", "resume_ids", "feature_dtype", "traceparent")
@@ -164,7 +166,7 @@ class SpsPoint(_message.Message):
     def __init__(self, batch_tokens: _Optional[int] = ..., step_ms: _Optional[float] = ...) -> None: ...
 
 class ProfileReply(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_len", "num_slots", "tap_layers", "hidden_size", "sps")
+    __slots__ = ("model", "vocab_size", "max_len", "num_slots", "tap_layers", "hidden_size", "sps", "engine_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +174,7 @@ class ProfileReply(_message.Message):
     TAP_LAYERS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     SPS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_len: int
@@ -179,14 +182,15 @@ class ProfileReply(_message.Message):
     tap_layers: _containers.RepeatedScalarFieldContainer[int]
     hidden_size: int
     sps: _containers.RepeatedCompositeFieldContainer[SpsPoint]
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_len: _Optional[int] = ..., num_slots: _Optional[int] = ..., tap_layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., sps: _Optional[_Iterable[_Union[SpsPoint, _Mapping]]] = ...) -> None: ...
+    engine_id: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_len: _Optional[int] = ..., num_slots: _Optional[int] = ..., tap_layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., sps: _Optional[_Iterable[_Union[SpsPoint, _Mapping]]] = ..., engine_id: _Optional[str] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class LoadReply(_message.Message):
-    __slots__ = ("running", "waiting", "kv_used", "kv_total", "step_ms_ema", "steps", "streams")
+    __slots__ = ("running", "waiting", "kv_used", "kv_total", "step_ms_ema", "steps", "streams", "batch_tokens")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USED_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +198,7 @@ class LoadReply(_message.Message):
     STEP_MS_EMA_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_used: int
@@ -201,7 +206,8 @@ class LoadReply(_message.Message):
     step_ms_ema: float
     steps: int
     streams: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used: _Optional[int] = ..., kv_total: _Optional[int] = ..., step_ms_ema: _Optional[float] = ..., steps: _Optional[int] = ..., streams: _Optional[int] = ...) -> None: ...
+    batch_tokens: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used: _Optional[int] = ..., kv_total: _Optional[int] = ..., step_ms_ema: _Optional[float] = ..., steps: _Optional[int] = ..., streams: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
     __slots__ = ("request_id", "context_ids", "features", "params", "cycle", "traceparent", "method")
@@ -274,14 +280,16 @@ class DrafterLoadReply(_message.Message):
     def __init__(self, contexts: _Optional[int] = ..., streams: _Optional[int] = ..., queued: _Optional[int] = ..., step_ms_ema: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class Speculative(_message.Message):
-    __slots__ = ("method", "policy", "gamma")
+    __slots__ = ("method", "policy", "gamma", "min_tokens_per_s")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     method: str
     policy: str
     gamma: int
-    def __init__(self, method: _Optional[str] = ..., policy: _Optional[str] = ..., gamma: _Optional[int] = ...) -> None: ...
+    min_tokens_per_s: float
+    def __init__(self, method: _Optional[str] = ..., policy: _Optional[str] = ..., gamma: _Optional[int] = ..., min_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "prompt", "params", "stop", "stop_token_ids", "speculative", "ignore_eos")
