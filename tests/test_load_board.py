@@ -94,3 +94,20 @@ def test_dspark_top_shows_the_board(redis_server, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "10.0.0.5:50051" in out and "10/40" in out and "0.25" in out  # fresh: KV saturation
     assert "10.0.0.6:50052" in out and "1.00" in out  # stale: counted as saturated
+
+
+def test_board_view_freshness_follows_seq_on_the_readers_clock():
+    from router.board_view import BoardView
+
+    view = BoardView(LocalBoard(), stale_after_s=0.5)
+    assert view.view("v0", own_requests=2).fallback  # nothing read yet
+    view.update([EngineLoad("v0", "verifier", running=6, batch_tokens=30, seq=1, ts=0.0)], now=10.0)
+    v = view.view("v0", own_requests=2, now=10.1)
+    # Four requests of other routers, each carrying (30 − 6) / 6 = 4 tokens beyond its anchor.
+    assert (v.fallback, v.other_requests, v.other_tokens) == (False, 4, 16)
+    view.update([EngineLoad("v0", "verifier", running=6, seq=1, ts=0.0)], now=10.4)  # seq did not move
+    assert view.view("v0", 2, now=10.6).fallback  # stale: 0.6 s since seq last moved
+    view.update([EngineLoad("v0", "verifier", running=1, seq=2, ts=0.0)], now=10.7)
+    assert view.view("v0", 2, now=10.8) == type(v)(0, 0, fallback=False)  # fresh again; fewer than ours
+    view.update(None, now=10.9)  # the board stopped answering
+    assert view.view("v0", 2, now=10.9).fallback and not view.available

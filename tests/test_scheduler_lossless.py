@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from scipy.stats import chisquare
 
+from router.budget import VerifierView, VerifyBudget, leading, plan_budget
 from router.scheduler import schedule, survival
 from services.sampling import accept_stochastic
 
@@ -68,8 +69,33 @@ def test_negative_control_choosing_the_prefix_in_hindsight_is_caught():
     assert p_value(emitted_pairs(retrospective, JAGGED, seed=2)) < 1e-6
 
 
+def streaming(sps, sees_own_block: bool = False):
+    """The streaming form across cycles: λ(K) planned from the previous cycle's block, applied to this one.
+
+    `sees_own_block` is the negative control: the plan is made after the block it trims arrived.
+    """
+    budget = VerifyBudget(sps)
+
+    def run(survivals, _sps):
+        (rid, row), = survivals.items()
+        if sees_own_block:
+            _, lam = plan_budget([row], 1, sps)
+            return {rid: leading(row, lam)}
+        return {rid: budget.trim(rid, row, VerifierView())[0]}
+    return run
+
+
+def test_streaming_budget_is_lossless_and_its_own_block_control_is_caught():
+    assert p_value(emitted_pairs(streaming(JAGGED), JAGGED, seed=3)) > 1e-3
+    assert p_value(emitted_pairs(streaming(UNIMODAL), UNIMODAL, seed=4)) > 1e-3
+    assert p_value(emitted_pairs(streaming(JAGGED, sees_own_block=True), JAGGED, seed=5)) < 1e-6
+
+
 def test_the_toy_exercises_x1_dependent_lengths():
     lengths = {x1: schedule({"r": survival([C1, C2[x1]])}, UNIMODAL)["r"] for x1 in range(3)}
     assert lengths == {0: 2, 1: 1, 2: 1}  # x_1 is always verified; x_2 only after a confident x_1
     hindsight = {x1: retrospective({"r": survival([C1, C2[x1]])}, JAGGED)["r"] for x1 in range(3)}
     assert hindsight == {0: 2, 1: 0, 2: 2}
+    # Streaming: λ comes from the previous block (0.63, +inf or 0.35 after x_1 = 0, 1, 2 there).
+    lams = [plan_budget([survival([C1, C2[x]])], 1, JAGGED)[1] for x in range(3)]
+    assert lams == [C1 * C2[0], float("inf"), C1 * C2[2]]
