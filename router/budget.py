@@ -5,9 +5,17 @@ together. Instead, at most once per verifier step, a `VerifyBudget` plans from s
 than the blocks it will trim: the survivals of each active request's *previous* block, and the
 verifier's other load (load board, or the router's own count when the board is stale). The plan is
 a global search over the profiled SPS curve — K* = argmax_K Θ(K) with
-Θ(K) = (R + R_o + Σ_{i≤K} a_(i)) · SPS(R + R_o + B_o + K), a_(i) the i-th largest survival, R_o the
+Θ(K) = (R + R_o + Σ_{i≤K} a_(i)) / T(R + R_o + B_o + K), a_(i) the i-th largest survival, R_o the
 other routers' requests at the verifier and B_o their tokens beyond one anchor each — and
 λ(K*) = a_(K*). Each arriving block is trimmed to its leading drafts with a_j ≥ λ.
+
+T(B) is the time of one cycle: 1 / SPS(B) plus the rest of a cycle as the router measures it (RPCs,
+batching windows, its own work), and for K ≥ 1 what drafting adds on top. The paper's Θ = τ · SPS(B)
+leaves the drafting cost out (its Limitations say so); with a drafter as costly as it is on this
+machine (a third of a cycle), that Θ verifies long blocks that do not pay for their drafting. With
+the cost in, K* = 0 means "drafting does not pay at this load": the requests then decode plainly
+without asking the drafter, and one of them drafts now and then (a probe, at growing intervals) so
+the survivals the plan rests on stay current.
 
 Why this is lossless: the plan never sees the block it trims (a block is recorded only after it is
 trimmed) and a_j depends on x_<j only, so whether x_j is verified never depends on x_j. Because the
@@ -39,21 +47,24 @@ class Plan:
     batch_tokens: int  # planned B = anchors + other tokens + K
     fallback: bool
     planned_at: float  # monotonic seconds
+    draft: bool = True  # False: drafting does not pay at this load (K* = 0), decode plainly
 
 
 def plan_budget(rows: Iterable[Sequence[float]], anchors: int, sps: Callable[[int], float],
-                other_requests: int = 0, other_tokens: int = 0) -> tuple[int, float]:
+                other_requests: int = 0, other_tokens: int = 0, draft_s: float = 0.0,
+                extra_s: float = 0.0) -> tuple[int, float]:
     """(K*, λ(K*)) from survival rows a_{r,1..γ} of `anchors` requests (rows may be fewer: plain decoding).
 
-    Ties in Θ keep the smaller K (fewer wasted tokens); λ is +inf when K* = 0.
+    `draft_s` is the time drafting adds to a cycle, `extra_s` the rest of a cycle beyond the verifier's
+    step; with both 0 this is Θ = τ · SPS(B). Ties in Θ keep the smaller K; λ is +inf when K* = 0.
     """
     pairs = sorted((a for row in rows for a in row if a > 0), reverse=True)
     base = anchors + other_requests + other_tokens
     tau = float(anchors + other_requests)
-    best_k, best = 0, tau * sps(base)
+    best_k, best = 0, tau / (1 / sps(base) + extra_s)
     for k, a in enumerate(pairs, start=1):
         tau += a
-        theta = tau * sps(base + k)
+        theta = tau / (1 / sps(base + k) + extra_s + draft_s)
         if theta > best:
             best_k, best = k, theta
     return best_k, (pairs[best_k - 1] if best_k else math.inf)
@@ -81,12 +92,16 @@ class VerifyBudget:
     """The streaming scheduler of one verifier: plans K and λ(K), trims arriving blocks."""
 
     def __init__(self, sps: Callable[[int], float] | None = None, fallback_threshold: float = 0.3,
-                 step_alpha: float = 0.2):
+                 alpha: float = 0.2, probe_s: tuple[float, float] = (0.5, 8.0)):
         self.sps = sps  # None until the verifier's profile is known: the threshold policy meanwhile
         self.fallback_threshold = fallback_threshold
         self.rows: dict[str, tuple[float, ...]] = {}  # survivals of each active request's last block
-        self.step_s = 0.0  # EMA of the verify round trip: how long a plan stays current
-        self.step_alpha = step_alpha
+        self.alpha = alpha  # weight of the newest sample in the EMAs below
+        self.step_s = 0.0  # verify round trip: how long a plan stays current
+        self.plain_extra_s = 0.0  # a plain cycle's time beyond the profiled step
+        self.draft_extra_s = 0.0  # a drafting cycle's time beyond the profiled step
+        self.probe_s = probe_s  # (first, longest) interval between probes while drafting does not pay
+        self._probe_every, self._probe_at = probe_s[0], 0.0
         self.plan: Plan | None = None
 
     def join(self, request_id: str) -> None:
@@ -95,9 +110,33 @@ class VerifyBudget:
     def leave(self, request_id: str) -> None:
         self.rows.pop(request_id, None)
 
-    def observe_step(self, seconds: float) -> None:
-        a = self.step_alpha
-        self.step_s = seconds if self.step_s == 0 else (1 - a) * self.step_s + a * seconds
+    def _ema(self, old: float, new: float) -> float:
+        return new if old == 0 else (1 - self.alpha) * old + self.alpha * new
+
+    def observe_verify(self, seconds: float) -> None:
+        self.step_s = self._ema(self.step_s, seconds)
+
+    def observe_cycle(self, seconds: float, drafted: bool) -> None:
+        """A whole cycle of a dspark request, drafted or plain, against the plan it ran under."""
+        if self.sps is None or self.plan is None:
+            return
+        extra = max(0.0, seconds - 1 / self.sps(self.plan.batch_tokens))
+        if drafted:
+            self.draft_extra_s = self._ema(self.draft_extra_s, extra)
+        else:
+            self.plain_extra_s = self._ema(self.plain_extra_s, extra)
+
+    def wants_draft(self, view: VerifierView, now: float | None = None) -> bool:
+        """Whether a request should draft this cycle: the plan says drafting pays, or a probe is due."""
+        now = time.monotonic() if now is None else now
+        if self.current(view, now).draft:
+            self._probe_every = self.probe_s[0]
+            return True
+        if now < self._probe_at:
+            return False
+        self._probe_at = now + self._probe_every
+        self._probe_every = min(2 * self._probe_every, self.probe_s[1])
+        return True
 
     def current(self, view: VerifierView, now: float | None = None) -> Plan:
         """The plan in force, replanned when it is older than one verifier step."""
@@ -117,8 +156,9 @@ class VerifyBudget:
 
     def _replan(self, view: VerifierView, now: float) -> Plan:
         anchors = max(len(self.rows), 1)
-        if self.sps is None:
+        if self.sps is None or not any(self.rows.values()):  # no profile or no block yet: threshold policy
             pool = [a for row in self.rows.values() for a in row if a >= self.fallback_threshold]
             return Plan(len(pool), self.fallback_threshold, anchors + len(pool), view.fallback, now)
-        k, lam = plan_budget(self.rows.values(), anchors, self.sps, view.other_requests, view.other_tokens)
-        return Plan(k, lam, anchors + view.other_requests + view.other_tokens + k, view.fallback, now)
+        k, lam = plan_budget(self.rows.values(), anchors, self.sps, view.other_requests, view.other_tokens,
+                             max(0.0, self.draft_extra_s - self.plain_extra_s), self.plain_extra_s)
+        return Plan(k, lam, anchors + view.other_requests + view.other_tokens + k, view.fallback, now, draft=k > 0)

@@ -52,6 +52,8 @@ class RouterMetrics:
         self.scheduler_cycles = counter("scheduler_cycles", "dspark cycles by the verifier load their plan counted: "
                                         "board (a fresh load-board entry) or local (this router's own requests)",
                                         ["source"])
+        self.drafts_skipped = counter("scheduler_drafts_skipped", "dspark cycles decoded without drafting because "
+                                      "drafting did not pay at the verifier's load")
         self.running = Gauge(PREFIX + "num_requests_running", "Requests in a session", labels, registry=r)
         self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests queued for a session", labels, registry=r)
         self.model = model

@@ -3,8 +3,9 @@
 Per cycle: the block's signals become acceptance estimates ĉ_k (`router/acceptance.py`), their
 prefix products the survivals a_k; the policy turns them into ℓ — all of the block (`fixed`, `mtp1`),
 the prefix with a_k ≥ λ (`threshold`), or the prefix with a_k ≥ λ(K) of the verifier's budget
-(`dspark`, `router/budget.py`). A per-request SLA can only lengthen ℓ. After the verify, the outcome
-recalibrates the estimates and the round trip times the verifier step. No Ray, no gRPC, no Redis.
+(`dspark`, `router/budget.py`), which may also say that drafting does not pay at the current load. A
+per-request SLA can only lengthen ℓ. Outcomes recalibrate the estimates; round trips time the cycle
+the budget plans for. No Ray, no gRPC, no Redis.
 """
 
 from __future__ import annotations
@@ -54,6 +55,17 @@ class VerifyPlanner:
     def leave(self, request_id: str) -> None:
         self.budget.leave(request_id)
 
+    def wants_draft(self, policy: Policy, sla: float) -> bool:
+        """Whether a request asks the drafter this cycle; only dspark skips, never under an SLA."""
+        return policy is not Policy.DSPARK or sla > 0 or self.budget.wants_draft(self.view())
+
+    def observe_verify(self, seconds: float) -> None:
+        self.budget.observe_verify(seconds)
+
+    def observe_cycle(self, seconds: float, policy: Policy, drafted: bool) -> None:
+        if policy is Policy.DSPARK:
+            self.budget.observe_cycle(seconds, drafted)
+
     def decide(self, request_id: str, policy: Policy, method: str, greedy: bool, block: DraftBlock,
                tokens_needed: float = 0.0) -> Decision:
         """ℓ for a block already capped by γ and the token budget; `tokens_needed` = SLA tokens per cycle."""
@@ -66,7 +78,5 @@ class VerifyPlanner:
             length, plan = self.budget.trim(request_id, a, self.view(), tokens_needed)
         return Decision(length, len(block), signals, a, plan)
 
-    def learn(self, method: str, greedy: bool, decision: Decision, verified: int, accepted: int,
-              round_trip_s: float) -> None:
+    def learn(self, method: str, greedy: bool, decision: Decision, verified: int, accepted: int) -> None:
         self.acceptance.observe(method, greedy, decision.signals, verified, accepted)
-        self.budget.observe_step(round_trip_s)

@@ -156,11 +156,12 @@ class Router:
                 done = await self._verify(s, block)
                 out = done.output
                 vspan.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted})
+            self.planner.observe_verify(time.perf_counter() - sent)
             if decision is not None:
-                self.planner.learn(s.spec.method, s.params.greedy, decision, out.num_drafts, out.num_accepted,
-                                   time.perf_counter() - sent)
+                self.planner.learn(s.spec.method, s.params.greedy, decision, out.num_drafts, out.num_accepted)
             self.metrics.cycle(out.num_drafts, out.num_accepted)
             s.observe_cycle(time.perf_counter() - started)
+            self.planner.observe_cycle(time.perf_counter() - started, s.spec.policy, drafted=decision is not None)
             s.add_features(out.feature_start, out.features)
             kept, text = s.commit(out.emitted)
             span.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted,
@@ -199,6 +200,9 @@ class Router:
     async def _draft(self, s: Session, bound: int) -> DraftBlock | None:
         if self.drafter is None or s.spec.policy is Policy.NONE:
             return None
+        if not self.planner.wants_draft(s.spec.policy, s.spec.min_tokens_per_s):
+            self.metrics.drafts_skipped.labels(self.model).inc()
+            return None  # the delta keeps growing; the next draft carries it
         if not s.drafter_ok:
             if s.cycle - s.detached_at < self.config.reattach_every:
                 return None

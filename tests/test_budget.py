@@ -67,7 +67,7 @@ def test_trim_uses_a_plan_made_before_the_block_arrived():
     budget.join("a")
     budget.join("b")
     first, plan = budget.trim("a", ROW, VerifierView())
-    assert (first, plan.budget) == (0, 0)  # no earlier block: nothing to plan from
+    assert (first, plan.threshold) == (4, 0.3)  # no earlier block: the threshold policy
     second, plan = budget.trim("b", ROW, VerifierView())  # step_s = 0: replanned, from a's block only
     assert plan.budget > 0 and second == leading(ROW, plan.threshold)
     budget.step_s = 10.0  # one verifier step lasts long: the plan stays in force
@@ -88,3 +88,17 @@ def test_without_a_profile_the_budget_is_the_threshold_policy():
 def test_sla_len_adds_drafts_until_the_expected_tokens_reach_the_need():
     row = [0.9, 0.72, 0.2]
     assert [sla_len(row, need) for need in (0.5, 1.0, 1.5, 2.5, 2.7, 9.0)] == [0, 0, 1, 2, 3, 3]
+
+
+def test_drafting_cost_can_make_plain_decoding_the_plan_and_probes_keep_it_current():
+    row = survival([0.6, 0.5, 0.4])
+    assert plan_budget([row], 1, MEASURED)[0] > 0  # drafting free: verify some
+    assert plan_budget([row], 1, MEASURED, draft_s=0.030)[0] == 0  # a 30 ms draft does not pay for τ ≈ 1.8
+    budget = VerifyBudget(MEASURED, probe_s=(1.0, 4.0))
+    budget.trim("a", row, VerifierView())  # a first block to plan from
+    budget.observe_cycle(1 / MEASURED(budget.plan.batch_tokens) + 0.030, drafted=True)  # drafting adds 30 ms
+    budget.step_s, budget.plan = 0.0, None  # replan on every call (on the test's clock)
+    asks = [budget.wants_draft(VerifierView(), now=t) for t in (100.0, 100.5, 101.0, 102.0, 103.0, 105.0)]
+    assert asks == [True, False, True, False, True, False]  # probes at growing intervals: 1 s, 2 s, then 4 s
+    budget.draft_extra_s = 0.0  # drafting got cheap: the plan drafts again, probing starts over
+    assert budget.wants_draft(VerifierView(), now=106.0) and budget._probe_every == 1.0
