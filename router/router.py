@@ -130,8 +130,6 @@ class Router:
             s.add_features(0, pre.features)
             self.planner.join(rid)  # every decoding request is an anchor in the verifier's steps
             yield self._chunk(s, *s.commit(pre.emitted))
-            if s.spec.policy is not Policy.NONE and self.drafter is not None and s.finish_reason() is None:
-                await self._open_drafter(s)
             while s.finish_reason() is None:
                 yield await self._cycle(s)
             finish = s.finish_reason()
@@ -203,8 +201,8 @@ class Router:
         if not self.planner.wants_draft(s.spec.policy, s.spec.min_tokens_per_s):
             self.metrics.drafts_skipped.labels(self.model).inc()
             return None  # the delta keeps growing; the next draft carries it
-        if not s.drafter_ok:
-            if s.cycle - s.detached_at < self.config.reattach_every:
+        if not s.drafter_ok:  # opened at the first draft (dspark may never need one), reopened after a loss
+            if s.detached_at is not None and s.cycle - s.detached_at < self.config.reattach_every:
                 return None
             await self._open_drafter(s)
             if not s.drafter_ok:

@@ -58,7 +58,7 @@ class Session:
     vcycle: int = 0  # cycles applied by the current verifier (restarts at 0 after a re-prefill)
     cycle: int = 0  # cycles of this request (drafter messages carry it)
     drafter_ok: bool = False
-    detached_at: int = 0  # cycle at which the drafter was lost
+    detached_at: int | None = None  # cycle at which the drafter was lost
     # Delta for the drafter since its last message: tokens and features of newly committed positions.
     new_ids: list[int] = field(default_factory=list)
     new_features: list[torch.Tensor] = field(default_factory=list)
