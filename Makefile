@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODEL ?= dspark-target
 PROMPT ?= def fibonacci(n):
 
-.PHONY: install serve test lint bench bench-tiers data data-deps test-deps drafters acceptance clean
+.PHONY: install serve test lint bench bench-tiers bench-policies data data-deps test-deps drafters acceptance clean
 
 $(BIN)/dspark: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,9 @@ bench: $(BIN)/dspark
 bench-tiers: $(BIN)/dspark
 	$(BIN)/python benchmarks/tier_overhead.py
 	$(BIN)/python benchmarks/grpc_shapes.py
+
+bench-policies: $(BIN)/dspark
+	$(BIN)/python benchmarks/policies.py
 
 # Debian's python3.11-doc holds the reST sources of the chat corpus.
 data-deps:
