@@ -7,8 +7,8 @@ for that file, so nothing races for ports.
 
 from __future__ import annotations
 
-import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,10 +43,14 @@ class TierProcess:
         self.process.wait()
 
 
-def _die_with_parent() -> None:
-    """Linux: the tier gets SIGTERM when its launcher dies, however it dies (no orphaned servers)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+def _die_with_parent() -> list[str]:
+    """A command prefix under which the child gets SIGTERM when its launcher dies, however it dies.
+
+    util-linux `setpriv --pdeathsig` sets PR_SET_PDEATHSIG in the child before exec. A Python
+    `preexec_fn` would do the same, but running Python in a child forked from a process with gRPC
+    threads can crash or deadlock it; without setpriv the owner's own stop() is the only cleanup.
+    """
+    return ["setpriv", "--pdeathsig", "TERM"] if shutil.which("setpriv") else []
 
 
 def start_tier(role: str, settings: BaseModel, timeout_s: float = 120.0, env: dict | None = None) -> TierProcess:
@@ -63,8 +67,8 @@ def start_tiers(roles: list[tuple[str, BaseModel]], timeout_s: float = 120.0,
         config, address_file = workdir / "config.yaml", workdir / "address"
         config.write_text(yaml.safe_dump(settings.model_dump(mode="json")))
         cmd = [sys.executable, "-m", "router.cli", role, "--config", str(config), "--address-file", str(address_file)]
-        process = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, cwd=Path(__file__).resolve().parents[1],
-                                   preexec_fn=_die_with_parent)
+        process = subprocess.Popen([*_die_with_parent(), *cmd], env={**os.environ, **(env or {})},
+                                   cwd=Path(__file__).resolve().parents[1])
         pending.append((role, process, address_file))
     deadline = time.monotonic() + timeout_s
     started = []
@@ -99,9 +103,9 @@ class RedisProcess:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisProcess:
-        self.process = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                                         "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL,
-                                        preexec_fn=_die_with_parent)
+        self.process = subprocess.Popen([*_die_with_parent(), "redis-server", "--port", str(self.port),
+                                         "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                                        stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with socket.socket() as sock:

@@ -49,7 +49,8 @@ class RouterMetrics:
                                             "did not send for verification")
         self.scheduler_time = Histogram(PREFIX + "scheduler_time_seconds", "Time to choose ℓ for one block", labels,
                                         buckets=(1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3), registry=r)
-        self.scheduler_cycles = counter("scheduler_cycles", "dspark cycles by the verifier load their plan counted: "
+        self.scheduler_cycles = counter("scheduler_cycles", "dspark cycles (drafted or skipped) by the verifier load "
+                                        "their plan counted: "
                                         "board (a fresh load-board entry) or local (this router's own requests)",
                                         ["source"])
         self.drafts_skipped = counter("scheduler_drafts_skipped", "dspark cycles decoded without drafting because "

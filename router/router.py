@@ -200,6 +200,7 @@ class Router:
             return None
         if not self.planner.wants_draft(s.spec.policy, s.spec.min_tokens_per_s):
             self.metrics.drafts_skipped.labels(self.model).inc()
+            self.metrics.scheduler_cycles.labels(self.model, self.planner.load_source()).inc()
             return None  # the delta keeps growing; the next draft carries it
         if not s.drafter_ok:  # opened at the first draft (dspark may never need one), reopened after a loss
             if s.detached_at is not None and s.cycle - s.detached_at < self.config.reattach_every:

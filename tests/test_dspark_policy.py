@@ -84,19 +84,19 @@ def test_redis_outage_mid_run_fails_no_request_and_scheduling_recovers(stack, re
         await asyncio.gather(*clients)
         metrics = router.metrics
         trimmed = metrics.trimmed_draft_tokens.labels("")._value.get()
-        budgets = metrics.verify_budget.labels("")._sum.get()
+        skipped = metrics.drafts_skipped.labels("")._value.get()
         engine_id = router.planner.engine_id
         await router.stop()
         await verifier.close()
         await drafter.close()
-        return done, marks, trimmed, budgets, engine_id
+        return done, marks, trimmed, skipped, engine_id
 
     t0 = time.monotonic()
-    done, (before, during, after), trimmed, budgets, engine_id = asyncio.run(run())
+    done, (before, during, after), trimmed, skipped, engine_id = asyncio.run(run())
     assert engine_id == stack[0].address
     assert len(done) >= 2 * CLIENTS and time.monotonic() - t0 < 120
     assert [t for _, t in done] == plain_greedy([r.prompt_ids for r, _ in done], [24] * len(done))
     assert before["board"] > 0  # the board's load counted while Redis was up
     assert during["local"] > before["local"]  # the outage: the router's own load
     assert after["board"] > during["board"]  # and back to the board once Redis returned
-    assert budgets > 0 and trimmed > 0  # budgets were planned and cut drafts at this load
+    assert trimmed + skipped > 0  # the plans cut drafts, or skipped drafting where it did not pay

@@ -17,7 +17,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "infra" / "serve.example.yaml"
 
 def test_the_shipped_example_parses():
     settings = load(ServeSettings, EXAMPLE, {})
-    assert settings.router.policy == "fixed" and len(settings.drafter.drafters) == 4
+    assert settings.router.policy == "dspark" and len(settings.drafter.drafters) == 4
 
 
 def test_flags_beat_the_file_and_the_file_beats_defaults(tmp_path):
