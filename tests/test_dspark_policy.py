@@ -8,14 +8,13 @@ during it, and the board's again after it.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 
 import pytest
 
 from router.board_view import BoardView
 from router.grpc_tiers import GrpcDrafter, GrpcVerifier
-from router.launcher import RedisProcess, start_tiers
+from router.launcher import start_tiers
 from router.planner import VerifyPlanner
 from router.policy import Policy
 from router.router import Router, RouterConfig
@@ -24,18 +23,15 @@ from services.load_board import RedisBoard
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
 from services.types import SamplingParams
-from tests.tiers import PROMPTS, TARGET, drafter_settings, plain_greedy, verifier_settings
+from tests.tiers import PROMPTS, TARGET, drafter_settings, plain_greedy, private_redis, verifier_settings
 
 CLIENTS = 4
 
 
 @pytest.fixture(scope="module")
 def redis_server():
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (make test installs it)")
-    server = RedisProcess().start()
-    yield server
-    server.stop()
+    with private_redis() as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import shutil
 import time
 
 import pytest
 
-from router.launcher import RedisProcess
 from services.load_board import EngineLoad, LocalBoard, RedisBoard
+from tests.tiers import private_redis
 
 
 @pytest.fixture
 def redis_server():
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (make test installs it)")
-    server = RedisProcess().start()
-    yield server
-    server.stop()
+    with private_redis() as server:
+        yield server
 
 
 def _load(engine: str, seq: int, **kw) -> EngineLoad:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 import time
 from contextlib import contextmanager
 
+import pytest
 import uvicorn
 
 from router.http_api import ApiConfig, build_app
+from router.launcher import RedisProcess
 from router.local import GenerationRequest, LocalRouter
 from router.roles import build_router, tier_health
 from router.serve_config import DrafterSettings, RouterSettings, VerifierSettings
@@ -40,6 +43,18 @@ def plain_greedy(prompts: list[list[int]], max_tokens: list[int]) -> list[list[i
     reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=m), stop_token_ids=tok.eos_token_ids)
             for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]
     return [r.token_ids for r in LocalRouter(engine).generate(reqs)]
+
+
+@contextmanager
+def private_redis():
+    """A redis-server on a free loopback port for the test's duration (skips the test without one)."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (make test installs it)")
+    server = RedisProcess().start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @contextmanager
