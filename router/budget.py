@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from services.batching import ema
+
 
 @dataclass(frozen=True, slots=True)
 class VerifierView:
@@ -48,6 +50,11 @@ class Plan:
     fallback: bool
     planned_at: float  # monotonic seconds
     draft: bool = True  # False: drafting does not pay at this load (K* = 0), decode plainly
+
+    @property
+    def source(self) -> str:
+        """Whose load the plan counted: "board" or "local" (this router's own requests)."""
+        return "local" if self.fallback else "board"
 
 
 def plan_budget(rows: Iterable[Sequence[float]], anchors: int, sps: Callable[[int], float],
@@ -110,21 +117,19 @@ class VerifyBudget:
     def leave(self, request_id: str) -> None:
         self.rows.pop(request_id, None)
 
-    def _ema(self, old: float, new: float) -> float:
-        return new if old == 0 else (1 - self.alpha) * old + self.alpha * new
-
     def observe_verify(self, seconds: float) -> None:
-        self.step_s = self._ema(self.step_s, seconds)
+        self.step_s = ema(self.step_s, seconds, self.alpha)
 
     def observe_cycle(self, seconds: float, drafted: bool) -> None:
-        """A whole cycle of a dspark request, drafted or plain, against the plan it ran under."""
+        """A whole cycle of a dspark request, drafted or plain, against the plan in force (replanned at most
+        once a verify round trip, so close to the one the cycle ran under)."""
         if self.sps is None or self.plan is None:
             return
         extra = max(0.0, seconds - 1 / self.sps(self.plan.batch_tokens))
         if drafted:
-            self.draft_extra_s = self._ema(self.draft_extra_s, extra)
+            self.draft_extra_s = ema(self.draft_extra_s, extra, self.alpha)
         else:
-            self.plain_extra_s = self._ema(self.plain_extra_s, extra)
+            self.plain_extra_s = ema(self.plain_extra_s, extra, self.alpha)
 
     def wants_draft(self, view: VerifierView, now: float | None = None) -> bool:
         """Whether a request should draft this cycle: the plan says drafting pays, or a probe is due."""

@@ -59,11 +59,6 @@ class VerifyPlanner:
         """Whether a request asks the drafter this cycle; only dspark skips, never under an SLA."""
         return policy is not Policy.DSPARK or sla > 0 or self.budget.wants_draft(self.view())
 
-    def load_source(self) -> str:
-        """Whose load the plan in force counted: "board" or "local" (this router's own requests)."""
-        plan = self.budget.plan
-        return "local" if plan is None or plan.fallback else "board"
-
     def observe_verify(self, seconds: float) -> None:
         self.budget.observe_verify(seconds)
 

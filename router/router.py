@@ -172,7 +172,7 @@ class Router:
             t0 = time.perf_counter()
             d = self.planner.decide(s.request.request_id, s.spec.policy, s.spec.method, s.params.greedy, block,
                                     s.spec.min_tokens_per_s * s.cycle_s)
-            source = None if d.plan is None else ("local" if d.plan.fallback else "board")
+            source = None if d.plan is None else d.plan.source
             self.metrics.scheduled(d.drafted, d.verify_len, time.perf_counter() - t0,
                                    None if d.plan is None else d.plan.budget, source)
             attrs = {"dspark.verify_len": d.verify_len, "dspark.drafted": d.drafted,
@@ -200,7 +200,7 @@ class Router:
             return None
         if not self.planner.wants_draft(s.spec.policy, s.spec.min_tokens_per_s):
             self.metrics.drafts_skipped.labels(self.model).inc()
-            self.metrics.scheduler_cycles.labels(self.model, self.planner.load_source()).inc()
+            self.metrics.scheduler_cycles.labels(self.model, self.planner.budget.plan.source).inc()
             return None  # the delta keeps growing; the next draft carries it
         if not s.drafter_ok:  # opened at the first draft (dspark may never need one), reopened after a loss
             if s.detached_at is not None and s.cycle - s.detached_at < self.config.reattach_every:

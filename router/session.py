@@ -10,6 +10,7 @@ import torch
 
 from router.policy import Policy
 from router.text_stream import TextStream
+from services.batching import ema
 from services.errors import InvalidRequestError
 from services.types import FinishReason, SamplingParams
 
@@ -79,7 +80,7 @@ class Session:
         return [*self.request.prompt_ids, *self.output]
 
     def observe_cycle(self, seconds: float) -> None:
-        self.cycle_s = seconds if self.cycle_s == 0 else 0.8 * self.cycle_s + 0.2 * seconds
+        self.cycle_s = ema(self.cycle_s, seconds, 0.2)
 
     def add_features(self, start: int, feats: torch.Tensor | None) -> None:
         if feats is None or not len(feats):

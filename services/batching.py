@@ -31,6 +31,11 @@ async def gather_window(wake: asyncio.Event, complete: Callable[[], bool], windo
             return
 
 
+def ema(old: float, new: float, alpha: float) -> float:
+    """Exponential moving average; 0 means no sample yet, so the first sample is taken as is."""
+    return new if old == 0 else (1 - alpha) * old + alpha * new
+
+
 @dataclass(slots=True)
 class StepTimer:
     """Steps taken and an exponential moving average of their duration (what a tier reports as load)."""
@@ -41,7 +46,7 @@ class StepTimer:
 
     def record(self, ms: float) -> None:
         self.steps += 1
-        self.ema_ms = ms if self.steps == 1 else (1 - self.alpha) * self.ema_ms + self.alpha * ms
+        self.ema_ms = ema(self.ema_ms, ms, self.alpha)
 
 
 def compute_thread() -> ThreadPoolExecutor:
