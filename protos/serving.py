@@ -6,7 +6,6 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -47,20 +46,14 @@ class GrpcServer:
             await before()
         await self.server.stop(grace_s)
 
-    async def serve_until_signal(self, on_stop: Callable[[], Awaitable[None]] | None = None,
-                                 address_file: Path | None = None, grace_s: float = 5.0) -> None:
-        """Serve until SIGTERM/SIGINT, then shut down gracefully. `address_file` receives the bound address
-        once serving (how a launcher learns which port 0 became)."""
-        await self.start()
-        if address_file is not None:
-            address_file.write_text(self.address)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        log.info("shutting down %s", self.address)
-        await self.stop(grace_s, on_stop)
+
+async def wait_for_signal() -> None:
+    """Until SIGTERM or SIGINT reaches this process."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
 
 
 def channel(address: str) -> grpc.aio.Channel:

@@ -20,6 +20,8 @@ from router.cli_drafters import (
     run_target_cache,
     run_train_drafter,
 )
+from router.cli_scale import add_parsers as add_scale_parsers
+from router.cli_scale import run_scale
 from router.cli_serve import add_parsers as add_serve_parsers
 from router.cli_serve import run_role, run_serve
 from router.cli_top import add_parser as add_top_parser
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parsers(sub)
     add_top_parser(sub)
+    add_scale_parsers(sub)
 
     gen = sub.add_parser("generate", help="generate in-process (no Ray, no gRPC), with or without speculation")
     _add_model_args(gen)
@@ -221,7 +224,8 @@ def _models(args: argparse.Namespace) -> int:
 _COMMANDS = {
     "generate": _generate, "profile": _profile, "data": _data, "train": _train, "models": _models,
     "make-tiny-model": _make_tiny, "calibrate": run_calibrate, "eval": run_eval,
-    "serve": run_serve, "top": run_top, "verifier": run_role, "drafter": run_role, "router": run_role,
+    "serve": run_serve, "top": run_top, "scale": run_scale, "pools": run_scale,
+    "verifier": run_role, "drafter": run_role, "router": run_role,
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import shutil
 import signal
@@ -20,9 +21,14 @@ _HELP = {
 
 
 def add_parsers(sub) -> None:
-    serve = sub.add_parser("serve", help="run verifier, drafter and router on this host (embedded defaults)")
-    serve.add_argument("--config", type=Path, help="YAML with verifier:, drafter:, router: sections")
-    for flag, kw in (("--model", {}), ("--host", {"help": "HTTP bind address"}), ("--port", {"type": int}),
+    serve = sub.add_parser("serve", help="serve the drafter and verifier pools on Ray and the router's HTTP API")
+    serve.add_argument("--config", type=Path, help="YAML with verifier:, drafter:, router:, ray:, pools:, "
+                       "autoscaler: sections")
+    for flag, kw in (("--address", {"help": "join this Ray cluster (auto, host:port); default: start a local "
+                                                "Ray instance on 127.0.0.1"}),
+                     ("--verifier-replicas", {"type": int}), ("--drafter-replicas", {"type": int}),
+                     ("--tensor-parallel", {"type": int, "help": "shards per verifier replica"}),
+                     ("--model", {}), ("--host", {"help": "HTTP bind address"}), ("--port", {"type": int}),
                      ("--method", {}), ("--policy", {}), ("--gamma", {"type": int}),
                      ("--api-key", {"help": "accepted API key (else DSPARK_API_KEY)"}),
                      ("--traces", {"choices": ("none", "console", "otlp")}), ("--otlp-traces-endpoint", {}),
@@ -46,41 +52,48 @@ def run_role(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.command} %(levelname)s %(message)s")
     settings = load(ROLES[args.command], args.config, _flags(args))
     if args.command == "verifier":
-        asyncio.run(roles.run_verifier(settings, args.address_file))
+        asyncio.run(roles.run_tier(roles.start_verifier(settings), args.address_file))
     elif args.command == "drafter":
-        asyncio.run(roles.run_drafter(settings, args.address_file))
+        asyncio.run(roles.run_tier(roles.start_drafter(settings), args.address_file))
     else:
         asyncio.run(roles.run_router(settings))
     return 0
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from router import roles
-    from router.launcher import RedisProcess, start_tiers
+    """Ray (local on 127.0.0.1, or joined), the controller with both pools as actors, the router here."""
+    from router.launcher import RedisProcess
+    from router.ray_local import connect
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
     settings = serve_settings(args)
-    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the tiers too, as Ctrl-C does
-    tiers, redis = [], None
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the pools too, as Ctrl-C does
+    redis, controller = None, None
+    local = connect(settings.ray)  # first: `ray` must not be imported before a local instance is set up
+    import ray
+
+    from router import roles
+    from router.controller import RayDiscovery, create
+
     try:
-        if settings.router.redis_url is None and shutil.which("redis-server"):
+        if settings.router.redis_url is None and local and shutil.which("redis-server"):
             redis = RedisProcess().start()  # a private load board for this host, removed on exit
             settings.router.redis_url = redis.url
         settings.verifier.redis_url = settings.drafter.redis_url = settings.router.redis_url
-        wanted = [("verifier", settings.verifier)]
-        if settings.router.method != "none":
-            wanted.append(("drafter", settings.drafter))
-        tiers = start_tiers(wanted)
-        addresses = {t.role: t.address for t in tiers}
-        router = settings.router.model_copy(update={"verifier": addresses["verifier"],
-                                                    "drafter": addresses.get("drafter")})
-        logging.info("OpenAI API on http://%s:%d/v1 (model %s)", router.host, router.port, router.model)
-        asyncio.run(roles.run_router(router))
+        controller = create(settings)
+        members = ray.get(controller.start.remote())
+        logging.info("pools ready: %s", {role: len(m) for role, m in members.items()})
+        logging.info("OpenAI API on http://%s:%d/v1 (model %s)", settings.router.host, settings.router.port,
+                     settings.router.model)
+        asyncio.run(roles.run_router(settings.router, RayDiscovery(controller),
+                                     with_drafter=settings.router.method != "none"))
     except KeyboardInterrupt:
         pass
     finally:
-        for tier in tiers:
-            tier.stop()
+        if controller is not None:
+            with contextlib.suppress(Exception):
+                ray.get(controller.shutdown.remote(), timeout=30)
+        ray.shutdown()
         if redis is not None:
             redis.stop()
     return 0
@@ -94,12 +107,23 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
     """The file's sections, then `serve`'s flags: model and tracing go to every role, the rest to the router."""
     flags = _flags(args)
     base = load(ServeSettings, args.config, {})
+    ray_flags = {"address": flags.pop("address")} if "address" in flags else {}
+    pool_flags = {"verifier": {}, "drafter": {}}
+    pool_keys = {"verifier_replicas": ("verifier", "replicas"), "drafter_replicas": ("drafter", "replicas"),
+                 "tensor_parallel": ("verifier", "tensor_parallel")}
+    for flag, (pool, key) in pool_keys.items():
+        if flag in flags:
+            pool_flags[pool][key] = flags.pop(flag)
     common = {k: flags.pop(k) for k in ("model", "traces", "otlp_traces_endpoint", "redis_url") if k in flags}
     if "api_key" in flags:
         flags["api_key"] = [flags["api_key"]]
-    # The gRPC tiers are private to this host: loopback, free ports.
+    # Replica actors serve gRPC on their Ray node's address and a free port, whatever these say.
     sections = {"verifier": {"port": 0, "host": "127.0.0.1", **common},
                 "drafter": {"port": 0, "host": "127.0.0.1", **common}, "router": {**flags, **common}}
     merged = {name: {**getattr(base, name).model_dump(exclude_unset=True), **extra}
               for name, extra in sections.items()}
+    merged["ray"] = {**base.ray.model_dump(exclude_unset=True), **ray_flags}
+    merged["pools"] = {pool: {**getattr(base.pools, pool).model_dump(exclude_unset=True), **extra}
+                       for pool, extra in pool_flags.items()}
+    merged["autoscaler"] = base.autoscaler.model_dump(exclude_unset=True)
     return load(ServeSettings, None, merged)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,13 +17,14 @@ from drafter_worker.drafter import Drafter
 from drafter_worker.server import DrafterServicer
 from drafter_worker.service import DrafterService
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
-from protos.serving import GrpcServer
+from protos.serving import GrpcServer, wait_for_signal
 from router.board_view import BoardView
 from router.grpc_server import RouterServicer
 from router.grpc_tiers import GrpcDrafter, GrpcVerifier
 from router.http_api import ApiConfig, build_app
 from router.planner import VerifyPlanner
 from router.policy import Policy
+from router.pooled_tiers import Discovery, Pools, StaticDiscovery
 from router.router import Router, RouterConfig
 from router.serve_config import DrafterSettings, RouterSettings, VerifierSettings
 from router.session import Speculation
@@ -41,7 +44,7 @@ from verifier_worker.service import VerifierService
 log = logging.getLogger(__name__)
 
 
-def _threads(n: int) -> None:
+def set_threads(n: int) -> None:
     if n:
         torch.set_num_threads(n)
 
@@ -51,11 +54,20 @@ def _tracer(name: str, s) -> object:
     return setup_tracing(name, exporter, s.otlp_traces_endpoint)
 
 
-def verifier_service(s: VerifierSettings) -> VerifierService:
+def verifier_taps(s: VerifierSettings) -> tuple[int, ...]:
+    if s.tap_layers is not None:
+        return tuple(s.tap_layers)
+    return default_tap_layers(ModelConfig.from_dir(resolve_model(s.model)).num_hidden_layers)
+
+
+def load_target(s: VerifierSettings):
+    return load_model(resolve_model(s.model), s.dtype, None if s.device == "auto" else s.device,
+                      tap_layers=verifier_taps(s))
+
+
+def verifier_service(s: VerifierSettings, model=None) -> VerifierService:
     model_dir = resolve_model(s.model)
-    taps = tuple(s.tap_layers) if s.tap_layers is not None else default_tap_layers(
-        ModelConfig.from_dir(model_dir).num_hidden_layers)
-    model = load_model(model_dir, s.dtype, None if s.device == "auto" else s.device, tap_layers=taps)
+    model = model if model is not None else load_target(s)
     engine = Engine(model, EngineConfig(num_slots=s.num_slots, max_len=s.max_len, max_batch_tokens=s.max_batch_tokens,
                                         max_waiting=s.max_waiting))
     return VerifierService(engine, model_dir.name, s.lease_s, s.batch_window_ms / 1000)
@@ -82,14 +94,35 @@ def drafter_service(s: DrafterSettings) -> DrafterService:
     return DrafterService({m: proposers[m] for m in order}, block_sizes, s.batch_window_ms / 1000)
 
 
-async def run_verifier(s: VerifierSettings, port_file: Path | None = None) -> None:
-    _threads(s.threads)
+@dataclass
+class RunningTier:
+    """A tier's gRPC server, its service and its load-board publisher, started; `stop` shuts all down."""
+
+    server: GrpcServer
+    stop_service: Callable[[], Awaitable[None]]
+    publisher: asyncio.Task | None
+    load: Callable[[], dict]  # the snapshot the board gets
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        if self.publisher is not None:
+            self.publisher.cancel()
+        await self.server.stop(grace_s, self.stop_service)
+
+
+async def start_verifier(s: VerifierSettings, model=None) -> RunningTier:
+    """Load (or take) the target, profile SPS(B), serve dspark.v1.Verifier. `model`: e.g. a TP driver."""
+    set_threads(s.threads)
     tracer = _tracer("dspark-verifier", s)
-    service = verifier_service(s)
-    sps = profile_sps(service.engine.model, context=256, repeats=5) if s.profile else []
+    service = await asyncio.to_thread(verifier_service, s, model)
+    sps = await asyncio.to_thread(profile_sps, service.engine.model, context=256, repeats=5) if s.profile else []
     server = GrpcServer(s.host, s.port, ["dspark.v1.Verifier"])
     rpc.add_VerifierServicer_to_server(VerifierServicer(service, tracer, sps, server.address), server.server)
     await service.start()
+    await server.start()
 
     def snapshot() -> dict:
         load = service.load()
@@ -97,27 +130,34 @@ async def run_verifier(s: VerifierSettings, port_file: Path | None = None) -> No
                 "step_ms_ema": load.step_ms_ema, "batch_tokens": load.batch_tokens}
 
     publisher = _publisher(s.redis_url, "verifier", server, snapshot, [(p.batch_tokens, p.step_ms) for p in sps])
-    await server.serve_until_signal(service.stop, port_file)
-    if publisher is not None:
-        publisher.cancel()
+    return RunningTier(server, service.stop, publisher, snapshot)
 
 
-async def run_drafter(s: DrafterSettings, port_file: Path | None = None) -> None:
-    _threads(s.threads)
+async def start_drafter(s: DrafterSettings) -> RunningTier:
+    set_threads(s.threads)
     tracer = _tracer("dspark-drafter", s)
-    service = drafter_service(s)
+    service = await asyncio.to_thread(drafter_service, s)
     server = GrpcServer(s.host, s.port, ["dspark.v1.Drafter"])
     rpc.add_DrafterServicer_to_server(DrafterServicer(service, tracer), server.server)
     await service.start()
+    await server.start()
 
     def snapshot() -> dict:
         load = service.load()
         return {"running": load.contexts, "queued": load.queued, "step_ms_ema": load.step_ms_ema}
 
-    publisher = _publisher(s.redis_url, "drafter", server, snapshot, [])
-    await server.serve_until_signal(service.stop, port_file)
-    if publisher is not None:
-        publisher.cancel()
+    return RunningTier(server, service.stop, _publisher(s.redis_url, "drafter", server, snapshot, []), snapshot)
+
+
+async def run_tier(start: Awaitable[RunningTier], address_file: Path | None = None) -> None:
+    """One tier in this process until SIGTERM/SIGINT (`dspark verifier|drafter`); `address_file` gets the
+    bound address once serving (how a launcher learns which port 0 became)."""
+    tier = await start
+    if address_file is not None:
+        address_file.write_text(tier.address)
+    await wait_for_signal()
+    log.info("shutting down %s", tier.address)
+    await tier.stop()
 
 
 def _publisher(url: str | None, role: str, server: GrpcServer, snapshot, sps) -> asyncio.Task | None:
@@ -130,23 +170,35 @@ def _publisher(url: str | None, role: str, server: GrpcServer, snapshot, sps) ->
     return asyncio.create_task(BoardPublisher(board, server.address, role, snapshot).run())
 
 
-def build_router(s: RouterSettings, tracer=None) -> tuple[Router, TextTokenizer, GrpcVerifier, GrpcDrafter | None]:
+def build_router(s: RouterSettings, tracer=None, discovery: Discovery | None = None,
+                 with_drafter: bool | None = None) -> tuple[Router, TextTokenizer, Pools]:
+    """The router over pools of verifier and drafter replicas: `discovery` (e.g. the Ray controller) or
+    the fixed addresses of the settings. Start `pools.run` with the router (`router.start(pools.run)`)."""
     model_dir = resolve_model(s.model)
     tokenizer = TextTokenizer.from_dir(model_dir)
-    verifier = GrpcVerifier(s.verifier)
-    drafter = GrpcDrafter(s.drafter) if s.drafter else None
+    with_drafter = bool(s.drafter) if with_drafter is None else with_drafter
+    discovery = discovery or StaticDiscovery(_addresses(s.verifier), _addresses(s.drafter or ""))
+    pools = Pools(discovery, GrpcVerifier, GrpcDrafter if with_drafter else None, _close)
     policy = Policy(s.policy) if s.method != "none" else Policy.NONE
     config = RouterConfig(default=Speculation(s.method, policy, s.gamma), max_gamma=s.max_gamma,
                           threshold=s.threshold, max_running=s.max_running, max_queue=s.max_queue)
     name = s.served_model_name or model_dir.name
     board = BoardView(RedisBoard(s.redis_url), s.board_stale_ms / 1000) if s.redis_url else None
-    router = Router(verifier, drafter, set(s.methods), config, tokenizer, tracer, model=name,
+    router = Router(pools.verifier, pools.drafter, set(s.methods), config, tokenizer, tracer, model=name,
                     planner=VerifyPlanner(s.threshold, board))
-    return router, tokenizer, verifier, drafter
+    return router, tokenizer, pools
 
 
-async def tier_health(verifier: GrpcVerifier, drafter: GrpcDrafter | None) -> dict[str, bool]:
-    """grpc.health.v1 of each tier, over the router's own channels to them."""
+def _addresses(text: str) -> list[str]:
+    return [a.strip() for a in text.split(",") if a.strip()]
+
+
+async def _close(client: GrpcVerifier | GrpcDrafter) -> None:
+    await client.close()
+
+
+async def tier_health(pools: Pools) -> dict[str, bool]:
+    """Whether each pool has a replica whose grpc.health.v1 says SERVING, over the router's own channels."""
     async def ok(client: GrpcVerifier | GrpcDrafter) -> bool:
         try:
             reply = await health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(),
@@ -155,30 +207,32 @@ async def tier_health(verifier: GrpcVerifier, drafter: GrpcDrafter | None) -> di
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
-    tiers = {"verifier": await ok(verifier)}
-    if drafter is not None:
-        tiers["drafter"] = await ok(drafter)
+    async def any_ok(clients: list) -> bool:
+        return any(await asyncio.gather(*(ok(c) for c in clients)))
+
+    tiers = {"verifier": await any_ok(pools.verifiers.clients())}
+    if pools.drafters is not None:
+        tiers["drafter"] = await any_ok(pools.drafters.clients())
     return tiers
 
 
-async def run_router(s: RouterSettings) -> None:
+async def run_router(s: RouterSettings, discovery: Discovery | None = None, with_drafter: bool | None = None) -> None:
     tracer = _tracer("dspark-router", s)
-    router, tokenizer, verifier, drafter = build_router(s, tracer)
+    router, tokenizer, pools = build_router(s, tracer, discovery, with_drafter)
     app = build_app(router, tokenizer, ApiConfig(router.model, s.max_model_len, tuple(s.api_key or ())),
-                    lambda: tier_health(verifier, drafter), tracer)
+                    lambda: tier_health(pools), tracer)
     server = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.port, log_level="info", access_log=False))
     grpc_server = None
     if s.grpc_port is not None:
         grpc_server = GrpcServer("127.0.0.1", s.grpc_port, ["dspark.v1.Router"])
         rpc.add_RouterServicer_to_server(RouterServicer(router, tokenizer, s.max_model_len), grpc_server.server)
         await grpc_server.start()
-    await router.start()
+    await pools.refresh()
+    await router.start(pools.run)
     try:
         await server.serve()
     finally:
         await router.stop()
         if grpc_server is not None:
             await grpc_server.stop(5.0)
-        await verifier.close()
-        if drafter is not None:
-            await drafter.close()
+        await pools.close()

@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +41,7 @@ class RouterConfig:
     threshold: float = 0.3  # λ of the THRESHOLD policy: verify while prefix survival a_k ≥ λ
     max_running: int = 64  # concurrent sessions
     max_queue: int = 256  # sessions waiting for a running slot; beyond it requests get CapacityError
-    reattach_every: int = 16  # cycles between attempts to reopen a lost drafter
+    reattach_every: int = 16  # most cycles between attempts to reopen a lost drafter (backoff 1, 2, 4, ...)
     verifier_retry_s: float = 30.0  # how long a session keeps re-prefilling on a lost verifier
 
 
@@ -60,9 +60,11 @@ class Router:
         self._tasks: list[asyncio.Task] = []
         self.waiting = self.running = 0
 
-    async def start(self) -> None:
-        """Background work off the request path: the verifier's SPS profile, then the load board."""
-        self._tasks = [asyncio.create_task(self._fetch_profile())]
+    async def start(self, *background: Callable[[], Awaitable[None]]) -> None:
+        """Background work off the request path: the verifier's SPS profile, the load board, and `background`
+        (e.g. keeping the replica pools current)."""
+        self._tasks = [asyncio.create_task(run()) for run in background]
+        self._tasks.append(asyncio.create_task(self._fetch_profile()))
         if self.planner.board is not None:
             self._tasks.append(asyncio.create_task(self.planner.board.run()))
 
@@ -203,7 +205,7 @@ class Router:
             self.metrics.scheduler_cycles.labels(self.model, self.planner.budget.plan.source).inc()
             return None  # the delta keeps growing; the next draft carries it
         if not s.drafter_ok:  # opened at the first draft (dspark may never need one), reopened after a loss
-            if s.detached_at is not None and s.cycle - s.detached_at < self.config.reattach_every:
+            if s.detached_at is not None and s.cycle - s.detached_at < s.reattach_wait:
                 return None
             await self._open_drafter(s)
             if not s.drafter_ok:
@@ -217,11 +219,14 @@ class Router:
                 self._detach(s, error)
                 return None
             span.set_attribute("dspark.drafted", len(block))
+            s.reattach_wait = 0
             return block
 
     def _detach(self, s: Session, error: Exception) -> None:
         log.warning("request %s: drafter lost (%s); decoding without it", s.request.request_id, error)
         s.drafter_ok, s.detached_at = False, s.cycle
+        # Reopen at once (on another replica of a pool), then back off while every attempt fails.
+        s.reattach_wait = min(2 * s.reattach_wait or 1, self.config.reattach_every)
         self.metrics.drafter_detached.labels(self.model).inc()
 
     # ---- verifier -----------------------------------------------------------------------------

@@ -60,6 +60,7 @@ class Session:
     cycle: int = 0  # cycles of this request (drafter messages carry it)
     drafter_ok: bool = False
     detached_at: int | None = None  # cycle at which the drafter was lost
+    reattach_wait: int = 0  # cycles to wait after a loss before reopening (doubles while reopening fails)
     # Delta for the drafter since its last message: tokens and features of newly committed positions.
     new_ids: list[int] = field(default_factory=list)
     new_features: list[torch.Tensor] = field(default_factory=list)

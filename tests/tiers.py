@@ -63,18 +63,17 @@ def api_server(settings: RouterSettings, tracer=None):
     state: dict = {}
 
     async def main():
-        router, tokenizer, verifier, drafter = build_router(settings, tracer)
+        router, tokenizer, pools = build_router(settings, tracer)
         app = build_app(router, tokenizer, ApiConfig(router.model, settings.max_model_len,
                                                      tuple(settings.api_key or ())),
-                        lambda: tier_health(verifier, drafter), tracer)
+                        lambda: tier_health(pools), tracer)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         state.update(server=server, router=router)
-        await router.start()
+        await pools.refresh()
+        await router.start(pools.run)
         await server.serve()
         await router.stop()
-        await verifier.close()
-        if drafter is not None:
-            await drafter.close()
+        await pools.close()
 
     thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
     thread.start()

@@ -1,0 +1,110 @@
+"""Ray actor shells of the two pools: each hosts one tier's gRPC server (`router/roles.py`) on its node.
+
+The classes are plain; `router/ray_pools.py` makes them actors with each pool's resources. A replica
+serves on the Ray node's address (the cluster's private network; 127.0.0.1 on a local instance) and
+a free port. `start` is idempotent and `ping` reports whether the server runs, so the controller can
+tell a restarted actor (Ray re-ran `__init__`, the server is gone) from a live one and start it again.
+A tensor-parallel verifier replica is rank 0 (`VerifierReplica`, which runs the Engine and the gRPC
+server) plus `VerifierShard` followers that run the same forwards on their shards in lock step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import ray
+
+from router import roles
+from router.serve_config import DrafterSettings, VerifierSettings
+
+
+def _node_ip() -> str:
+    return ray.util.get_node_ip_address()
+
+
+class _Replica:
+    def __init__(self):
+        self._tier: roles.RunningTier | None = None
+        self._lock = asyncio.Lock()
+
+    async def _start(self) -> roles.RunningTier:
+        raise NotImplementedError
+
+    async def start(self) -> str:
+        """Serve (once) and return the gRPC address."""
+        async with self._lock:
+            if self._tier is None:
+                self._tier = await self._start()
+            return self._tier.address
+
+    def ping(self) -> tuple[int, str | None]:
+        """(pid, gRPC address or None while not serving)."""
+        return os.getpid(), None if self._tier is None else self._tier.address
+
+    def load(self) -> dict:
+        return {} if self._tier is None else self._tier.load()
+
+    async def stop(self) -> None:
+        if self._tier is not None:
+            await self._tier.stop(grace_s=1.0)
+            self._tier = None
+
+
+class DrafterReplica(_Replica):
+    def __init__(self, settings: dict):
+        super().__init__()
+        self.settings = DrafterSettings.model_validate(settings)
+
+    async def _start(self) -> roles.RunningTier:
+        return await roles.start_drafter(self.settings.model_copy(update={"host": _node_ip(), "port": 0}))
+
+
+class VerifierReplica(_Replica):
+    """Rank 0 of a verifier replica: the Engine, the gRPC server, and (TP > 1) the driver of the shards."""
+
+    def __init__(self, settings: dict, world: int = 1):
+        super().__init__()
+        self.settings, self.world = VerifierSettings.model_validate(settings), world
+        self._group_address: str | None = None
+
+    def group_address(self) -> str:
+        """Where the shards meet rank 0 to form the process group (a free port on this node)."""
+        if self._group_address is None:
+            with socket.socket() as sock:
+                sock.bind((_node_ip(), 0))
+                self._group_address = f"{_node_ip()}:{sock.getsockname()[1]}"
+        return self._group_address
+
+    async def _start(self) -> roles.RunningTier:
+        model = None
+        if self.world > 1:
+            model = await asyncio.to_thread(_sharded, self.settings, 0, self.world, self.group_address())
+        return await roles.start_verifier(self.settings.model_copy(update={"host": _node_ip(), "port": 0}), model)
+
+
+class VerifierShard:
+    """Rank ≥ 1 of a tensor-parallel verifier replica: follows rank 0's forwards until it closes the group."""
+
+    def __init__(self, settings: dict, rank: int, world: int):
+        self.settings, self.rank, self.world = VerifierSettings.model_validate(settings), rank, world
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    async def follow(self, address: str) -> None:
+        from services.tensor_parallel import follow
+
+        model, group = await asyncio.to_thread(_sharded, self.settings, self.rank, self.world, address, False)
+        await asyncio.to_thread(follow, model, group)
+
+
+def _sharded(s: VerifierSettings, rank: int, world: int, address: str, driver: bool = True):
+    """This rank's shard of the target, in a process group of `world` ranks meeting at `address`."""
+    from services.tensor_parallel import TensorParallelDriver, init_group, shard_model
+
+    roles.set_threads(s.threads)
+    group = init_group(rank, world, address)
+    model = shard_model(roles.load_target(s), rank, world, group)
+    return TensorParallelDriver(model, group) if driver else (model, group)

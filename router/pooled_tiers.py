@@ -1,0 +1,151 @@
+"""The verifier and drafter tiers as pools of replicas (`VerifierTier` / `DrafterTier` over `ReplicaSet`s).
+
+The router core sees one verifier and one drafter; these adapters place each request on a replica,
+keep it there, and turn a replica's failure into the errors the router already recovers from: a
+verify on a lost replica raises `TierUnavailableError` (the router re-prefills, which places the
+request on another replica), a draft on a lost drafter raises too (the request decodes plainly at
+once and reopens its context on another drafter at its next draft). `Discovery` keeps the pools
+current: a fixed list of addresses, or the Ray controller's list of live replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from router.replicas import Member, ReplicaSet
+from router.tiers import VerifierProfile
+from services.errors import StaleCycleError, TierUnavailableError
+from verifier_worker.service import Prefilled, Verified
+
+log = logging.getLogger(__name__)
+_LOST = (TierUnavailableError, StaleCycleError)
+
+
+class Discovery(Protocol):
+    async def members(self) -> dict[str, list[Member]]: ...  # "verifier" / "drafter" → live replicas
+
+
+class StaticDiscovery:
+    """Fixed addresses (`dspark router --verifier a:1,b:2`); a failed replica is retried after `down_s`."""
+
+    def __init__(self, verifiers: list[str], drafters: list[str]):
+        self._members = {"verifier": [Member(a, a) for a in verifiers], "drafter": [Member(a, a) for a in drafters]}
+
+    async def members(self) -> dict[str, list[Member]]:
+        return self._members
+
+
+class PooledVerifier:
+    def __init__(self, replicas: ReplicaSet):
+        self.replicas = replicas
+
+    async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent) -> Prefilled:
+        rid, client = self.replicas.place(request_id)
+        try:
+            return await client.prefill(request_id, prompt_ids, params, resume_ids, traceparent)
+        except TierUnavailableError as error:
+            self.replicas.fail(rid, error)
+            raise
+
+    async def verify(self, request_id, cycle, draft, traceparent) -> Verified:
+        placed = self.replicas.placed(request_id)
+        if placed is None:
+            raise TierUnavailableError(f"request {request_id}: its verifier replica left the pool")
+        rid, client = placed
+        try:
+            return await client.verify(request_id, cycle, draft, traceparent)
+        except _LOST as error:
+            if isinstance(error, TierUnavailableError):
+                self.replicas.fail(rid, error)
+            raise
+
+    async def release(self, request_id) -> None:
+        placed = self.replicas.placed(request_id)
+        self.replicas.unplace(request_id)
+        if placed is not None:
+            await placed[1].release(request_id)
+
+    async def profile(self) -> VerifierProfile:
+        """The first healthy replica's profile (replicas of one pool run the same model on the same hardware)."""
+        healthy = self.replicas.healthy()
+        if not healthy:
+            raise TierUnavailableError("no verifier replica yet")
+        return await self.replicas.client(healthy[0]).profile()
+
+
+class PooledDrafter:
+    def __init__(self, replicas: ReplicaSet):
+        self.replicas = replicas
+
+    async def open(self, request_id, context_ids, features, params, cycle, method, traceparent) -> None:
+        old = self.replicas.placed(request_id)
+        if old is not None:  # reopening: the old context may still exist there
+            self.replicas.unplace(request_id)
+            with contextlib.suppress(Exception):
+                await old[1].release(request_id)
+        rid, client = self.replicas.place(request_id)
+        try:
+            await client.open(request_id, context_ids, features, params, cycle, method, traceparent)
+        except TierUnavailableError as error:
+            self.replicas.fail(rid, error)
+            raise
+
+    async def draft(self, request_id, cycle, new_ids, feature_start, features, gamma, traceparent):
+        placed = self.replicas.placed(request_id)
+        if placed is None:
+            raise TierUnavailableError(f"request {request_id}: its drafter replica left the pool")
+        rid, client = placed
+        try:
+            return await client.draft(request_id, cycle, new_ids, feature_start, features, gamma, traceparent)
+        except TierUnavailableError as error:
+            self.replicas.fail(rid, error)
+            raise
+
+    async def release(self, request_id) -> None:
+        placed = self.replicas.placed(request_id)
+        self.replicas.unplace(request_id)
+        if placed is not None:
+            await placed[1].release(request_id)
+
+
+class Pools:
+    """Both pools of one router, refreshed from `discovery` every `interval_s` in the background."""
+
+    def __init__(self, discovery: Discovery, connect_verifier: Callable, connect_drafter: Callable | None,
+                 close: Callable[[object], Awaitable[None]], interval_s: float = 0.5, down_s: float = 2.0):
+        self.discovery, self.interval_s, self._close = discovery, interval_s, close
+        self.verifiers = ReplicaSet("verifier", connect_verifier, down_s=down_s)
+        self.drafters = ReplicaSet("drafter", connect_drafter, down_s=down_s) if connect_drafter else None
+        self.verifier = PooledVerifier(self.verifiers)
+        self.drafter = PooledDrafter(self.drafters) if self.drafters is not None else None
+
+    async def refresh(self) -> None:
+        members = await self.discovery.members()
+        stale = self.verifiers.update(members.get("verifier", []))
+        if self.drafters is not None:
+            stale += self.drafters.update(members.get("drafter", []))
+        for client in stale:
+            await self._close(client)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception as error:  # discovery briefly unreachable: keep the pools as they are
+                log.warning("pool discovery failed: %s", error)
+            await asyncio.sleep(self.interval_s)
+
+    async def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Until the verifier pool (and the drafter pool, if any) has a healthy replica."""
+        async with asyncio.timeout(timeout_s):
+            while not self.verifiers.healthy() or (self.drafters is not None and not self.drafters.healthy()):
+                await self.refresh()
+                await asyncio.sleep(0.1)
+
+    async def close(self) -> None:
+        for client in self.verifiers.clients() + (self.drafters.clients() if self.drafters else []):
+            await self._close(client)
