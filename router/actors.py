@@ -13,11 +13,17 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from datetime import timedelta
 
 import ray
 
 from router import roles
 from router.serve_config import DrafterSettings, VerifierSettings
+
+
+# Shards wait in a collective for rank 0's next call however long the replica stays idle; a rank that dies
+# is handled by the controller, which replaces the whole replica, so the timeout only has to outlast idleness.
+IDLE_TIMEOUT = timedelta(days=30)
 
 
 def _node_ip() -> str:
@@ -46,6 +52,10 @@ class _Replica:
     def load(self) -> dict:
         return {} if self._tier is None else self._tier.load()
 
+    def node(self) -> str:
+        """The Ray node this replica runs on (placement checks, `dspark pools`)."""
+        return ray.get_runtime_context().get_node_id()
+
     async def stop(self) -> None:
         if self._tier is not None:
             await self._tier.stop(grace_s=1.0)
@@ -68,6 +78,7 @@ class VerifierReplica(_Replica):
         super().__init__()
         self.settings, self.world = VerifierSettings.model_validate(settings), world
         self._group_address: str | None = None
+        self._driver = None
 
     def group_address(self) -> str:
         """Where the shards meet rank 0 to form the process group (a free port on this node)."""
@@ -78,10 +89,16 @@ class VerifierReplica(_Replica):
         return self._group_address
 
     async def _start(self) -> roles.RunningTier:
-        model = None
         if self.world > 1:
-            model = await asyncio.to_thread(_sharded, self.settings, 0, self.world, self.group_address())
-        return await roles.start_verifier(self.settings.model_copy(update={"host": _node_ip(), "port": 0}), model)
+            self._driver = await asyncio.to_thread(_sharded, self.settings, 0, self.world, self.group_address())
+        return await roles.start_verifier(self.settings.model_copy(update={"host": _node_ip(), "port": 0}),
+                                          self._driver)
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self._driver is not None:  # after the engine's last step: the shards return from `follow`
+            self._driver.close()
+            self._driver = None
 
 
 class VerifierShard:
@@ -96,15 +113,17 @@ class VerifierShard:
     async def follow(self, address: str) -> None:
         from services.tensor_parallel import follow
 
-        model, group = await asyncio.to_thread(_sharded, self.settings, self.rank, self.world, address, False)
-        await asyncio.to_thread(follow, model, group)
+        model, groups = await asyncio.to_thread(_sharded, self.settings, self.rank, self.world, address, False)
+        await asyncio.to_thread(follow, model, groups.meta)
 
 
 def _sharded(s: VerifierSettings, rank: int, world: int, address: str, driver: bool = True):
-    """This rank's shard of the target, in a process group of `world` ranks meeting at `address`."""
+    """This rank's shard of the target, in the replica's process group of `world` ranks meeting at `address`:
+    rank 0 gets the driver the Engine runs, the others (model, groups) to follow with. Every rank loads the
+    checkpoint and keeps its slice."""
     from services.tensor_parallel import TensorParallelDriver, init_group, shard_model
 
     roles.set_threads(s.threads)
-    group = init_group(rank, world, address)
-    model = shard_model(roles.load_target(s), rank, world, group)
-    return TensorParallelDriver(model, group) if driver else (model, group)
+    groups = init_group(rank, world, address, IDLE_TIMEOUT)
+    model = shard_model(roles.load_target(s), rank, world, groups.compute)
+    return TensorParallelDriver(model, groups.meta) if driver else (model, groups)

@@ -19,11 +19,13 @@ def add_parsers(sub) -> None:
 
 
 def run_scale(args: argparse.Namespace) -> int:
+    from router.ray_local import join
+
+    join(args.address, args.namespace)
     import ray
 
     from router.controller import CONTROLLER
 
-    ray.init(address=args.address, namespace=args.namespace, log_to_driver=False, logging_level="warning")
     try:
         controller = ray.get_actor(CONTROLLER, namespace=args.namespace)
         if args.command == "scale":

@@ -63,7 +63,7 @@ def run_role(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     """Ray (local on 127.0.0.1, or joined), the controller with both pools as actors, the router here."""
     from router.launcher import RedisProcess
-    from router.ray_local import connect
+    from router.ray_local import connect, disconnect
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
     settings = serve_settings(args)
@@ -93,7 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if controller is not None:
             with contextlib.suppress(Exception):
                 ray.get(controller.shutdown.remote(), timeout=30)
-        ray.shutdown()
+        disconnect(local)
         if redis is not None:
             redis.stop()
     return 0

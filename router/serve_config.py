@@ -89,10 +89,12 @@ class RouterSettings(_Settings):
     otlp_traces_endpoint: str | None = None
 
     @model_validator(mode="after")
-    def _key_from_environment(self) -> RouterSettings:
-        """DSPARK_API_KEY when no key is configured (a flag or the file wins over the environment)."""
+    def _secrets_from_environment(self) -> RouterSettings:
+        """DSPARK_API_KEY and DSPARK_REDIS_URL (it may hold a password) when the flag and the file say nothing."""
         if not self.api_key and os.environ.get("DSPARK_API_KEY"):
             self.api_key = [os.environ["DSPARK_API_KEY"]]
+        if self.redis_url is None and os.environ.get("DSPARK_REDIS_URL"):
+            self.redis_url = os.environ["DSPARK_REDIS_URL"]
         return self
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+from router.ray_local import AUTH_ENV, use_loopback
 
 from services.data.build import DataConfig, build
 from services.layers import RaggedLayout
@@ -13,6 +17,10 @@ from verifier_worker.engine import Engine, EngineConfig
 from verifier_worker.kv_cache import KVCache
 
 VOCAB = 96
+
+# Ray in tests: every node on 127.0.0.1 (set before anything imports ray), token authentication on purpose.
+use_loopback()
+os.environ.setdefault(AUTH_ENV, "token")
 
 
 @pytest.fixture(autouse=True)
