@@ -20,7 +20,6 @@ import ray
 from router import roles
 from router.serve_config import DrafterSettings, VerifierSettings
 
-
 # Shards wait in a collective for rank 0's next call however long the replica stays idle; a rank that dies
 # is handled by the controller, which replaces the whole replica, so the timeout only has to outlast idleness.
 IDLE_TIMEOUT = timedelta(days=30)

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from router.ray_local import AUTH_ENV, use_loopback
-
 from services.data.build import DataConfig, build
 from services.layers import RaggedLayout
 from services.model import CausalLM, ForwardOutput
