@@ -63,8 +63,8 @@ class Autoscaler:
         if signal is None:
             trend.above_since = trend.below_since = None
             return None
-        trend.above_since = (trend.above_since or now) if signal > high else None
-        trend.below_since = (trend.below_since or now) if signal < low else None
+        trend.above_since = (now if trend.above_since is None else trend.above_since) if signal > high else None
+        trend.below_since = (now if trend.below_since is None else trend.below_since) if signal < low else None
         if now - trend.last_change < self.s.cooldown_s:
             return None
         if trend.above_since is not None and now - trend.above_since >= self.s.upscale_delay_s \

@@ -19,6 +19,7 @@ import ray
 
 from router.autoscaler import Autoscaler, ScaleEvent, pool_signal
 from router.ray_pools import ActorPool
+from router.replicas import Member
 from router.serve_config import ServeSettings
 from services.errors import InvalidRequestError
 from services.load_board import EngineLoad, RedisBoard
@@ -139,14 +140,16 @@ def create(settings: ServeSettings):
 
 
 class RayDiscovery:
-    """The router's view of the pools, from the controller (`router/pooled_tiers.Discovery`)."""
+    """The router's view of the pools, from the controller (`router/pooled_tiers.Discovery`): the replicas
+    that serve (draining ones marked), and the controller's scale events for the router's metrics."""
 
     def __init__(self, controller):
         self.controller = controller
+        self.events: list[dict] = []
 
-    async def members(self):
-        from router.replicas import Member
-
-        found = await self.controller.members.remote()
-        return {role: [Member(m["replica_id"], m["address"], m["draining"]) for m in members]
-                for role, members in found.items()}
+    async def members(self) -> dict[str, list[Member]]:
+        status = await self.controller.status.remote()
+        self.events = status["events"]
+        return {role: [Member(r["replica_id"], r["address"], r["state"] == "draining")
+                       for r in pool["replicas"] if r["address"] is not None]
+                for role, pool in status["pools"].items()}

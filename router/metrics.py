@@ -55,6 +55,10 @@ class RouterMetrics:
                                         ["source"])
         self.drafts_skipped = counter("scheduler_drafts_skipped", "dspark cycles decoded without drafting because "
                                       "drafting did not pay at the verifier's load")
+        self.pool_replicas = Gauge(PREFIX + "pool_replicas", "Serving replicas of each pool (draining ones left "
+                                   "out), as this router sees them", [*labels, "pool"], registry=r)
+        self.scale_events = counter("scale_events", "Replica-count changes of the deployment's pools",
+                                    ["pool", "direction", "trigger"])
         self.running = Gauge(PREFIX + "num_requests_running", "Requests in a session", labels, registry=r)
         self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests queued for a session", labels, registry=r)
         self.model = model

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from router.metrics import RouterMetrics
 from router.replicas import Member, ReplicaSet
 from router.tiers import VerifierProfile
 from services.errors import StaleCycleError, TierUnavailableError
@@ -26,6 +27,9 @@ _LOST = (TierUnavailableError, StaleCycleError)
 
 
 class Discovery(Protocol):
+    """Where replicas come from. May also keep `events`: the deployment's scale events so far (dicts with
+    pool, before, after, reason), which the router exports as metrics."""
+
     async def members(self) -> dict[str, list[Member]]: ...  # "verifier" / "drafter" → live replicas
 
 
@@ -116,8 +120,10 @@ class Pools:
     """Both pools of one router, refreshed from `discovery` every `interval_s` in the background."""
 
     def __init__(self, discovery: Discovery, connect_verifier: Callable, connect_drafter: Callable | None,
-                 close: Callable[[object], Awaitable[None]], interval_s: float = 0.5, down_s: float = 2.0):
-        self.discovery, self.interval_s, self._close = discovery, interval_s, close
+                 close: Callable[[object], Awaitable[None]], interval_s: float = 0.5, down_s: float = 2.0,
+                 metrics: RouterMetrics | None = None):
+        self.discovery, self.interval_s, self._close, self.metrics = discovery, interval_s, close, metrics
+        self._events_seen = 0
         self.verifiers = ReplicaSet("verifier", connect_verifier, down_s=down_s)
         self.drafters = ReplicaSet("drafter", connect_drafter, down_s=down_s) if connect_drafter else None
         self.verifier = PooledVerifier(self.verifiers)
@@ -130,6 +136,19 @@ class Pools:
             stale += self.drafters.update(members.get("drafter", []))
         for client in stale:
             await self._close(client)
+        if self.metrics is not None:
+            self._export(members)
+
+    def _export(self, members: dict[str, list[Member]]) -> None:
+        m = self.metrics
+        for role, replicas in members.items():
+            m.pool_replicas.labels(m.model, role).set(sum(not r.draining for r in replicas))
+        events = getattr(self.discovery, "events", [])
+        for e in events[self._events_seen:]:
+            direction = "up" if e["after"] > e["before"] else "down"
+            m.scale_events.labels(m.model, e["pool"], direction, "manual" if e["reason"] == "dspark scale"
+                                  else "autoscaler").inc()
+        self._events_seen = len(events)
 
     async def run(self) -> None:
         while True:

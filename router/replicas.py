@@ -51,12 +51,13 @@ class ReplicaSet(Generic[Client]):
     def update(self, members: list[Member]) -> list[Client]:
         """Make the pool these members; returns clients of removed or moved members for the caller to close."""
         wanted = {m.replica_id: m for m in members}
-        stale = []
+        stale, gone = [], set()
         for rid in list(self._slots):
             slot = self._slots[rid]
             member = wanted.get(rid)
             if member is None or member.address != slot.member.address:
                 stale.append(self._slots.pop(rid).client)
+                gone.add(rid)  # left, or moved: a new process without the requests' state
                 if member is None:
                     log.info("%s replica %s left the pool", self.role, rid)
         for rid, member in wanted.items():
@@ -67,7 +68,7 @@ class ReplicaSet(Generic[Client]):
             else:
                 slot.member = member
         for request_id, rid in list(self._placed.items()):
-            if rid not in self._slots:
+            if rid in gone:
                 del self._placed[request_id]
         return stale
 
@@ -85,12 +86,12 @@ class ReplicaSet(Generic[Client]):
         return [rid for rid, s in self._slots.items() if s.down_until <= now and not s.member.draining]
 
     # ---- requests -----------------------------------------------------------------------------
-    def place(self, request_id: str, avoid: str | None = None) -> tuple[str, Client]:
+    def place(self, request_id: str) -> tuple[str, Client]:
         """The member serving this request: its current one, else the least-loaded healthy member."""
         current = self._placed.get(request_id)
         if current is not None and current in self._slots:
             return current, self._slots[current].client
-        candidates = [rid for rid in self.healthy() if rid != avoid] or self.healthy()
+        candidates = self.healthy()
         if not candidates:
             raise TierUnavailableError(f"no healthy {self.role} replica ({len(self._slots)} known)")
         self._next += 1

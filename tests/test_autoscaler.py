@@ -105,10 +105,11 @@ def test_counts_outside_the_bounds_are_corrected_at_once():
     # ... even within a cool-down and whatever the signal.
     event = a.decide("verifier", 7, 0.0, now=T0 + 1)
     assert (event.before, event.after) == (7, 3)
-    # The correction starts a cool-down of its own.
-    a.decide("verifier", 3, 0.0, now=T0 + 2)
-    assert a.decide("verifier", 3, 0.0, now=T0 + 62) is None  # low for 60 s, but cooling down until T0 + 31?
-    assert a.decide("verifier", 3, 0.0, now=T0 + 63) is None
+    # A correction starts a cool-down of its own (here until T0 + 31).
+    assert a.decide("verifier", 2, 0.9, now=T0 + 2) is None
+    assert a.decide("verifier", 2, 0.9, now=T0 + 12) is None  # above for the upscale delay, cooling down
+    assert a.decide("verifier", 2, 0.9, now=T0 + 30.9) is None
+    assert a.decide("verifier", 2, 0.9, now=T0 + 31).after == 3
 
 
 def test_none_signal_resets_the_trends():

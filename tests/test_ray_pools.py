@@ -23,7 +23,7 @@ from router.session import RouterRequest  # noqa: E402
 from services.registry import resolve_model  # noqa: E402
 from services.tokenizer import TextTokenizer  # noqa: E402
 from services.types import SamplingParams  # noqa: E402
-from tests.tiers import PROMPTS, TARGET, plain_greedy  # noqa: E402
+from tests.tiers import PROMPTS, TARGET, plain_greedy, private_redis  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 32
@@ -70,7 +70,8 @@ def tokenizer():
 async def serve_while(s: ServeSettings, controller, tokenizer, steps, clients: int = 3):
     """Closed-loop clients through a router over the deployment while `steps` (async callables) run in order;
     → (finished (request, tokens) pairs, the router, per-step snapshots of the verifier placement)."""
-    router, _, pools = build_router(s.router, discovery=RayDiscovery(controller), with_drafter=True)
+    router, _, pools = build_router(s.router, discovery=RayDiscovery(controller),
+                                    with_drafter=s.router.method != "none")
     await pools.wait_ready()
     await router.start(pools.run)
     done, stop, spread = [], asyncio.Event(), []
@@ -187,6 +188,36 @@ def test_killing_a_drafter_then_a_verifier_mid_stream_loses_no_request(deploymen
     assert set(killed) == {"drafter", "verifier"}
     assert router.metrics.drafter_detached.labels(router.model)._value.get() > 0
     assert router.metrics.verifier_reprefills.labels(router.model)._value.get() > 0
+    assert_plain_greedy(done)
+
+
+def test_the_autoscaler_scales_verifiers_from_the_load_board(deployment, tokenizer):
+    ray.get(deployment[1].shutdown.remote(), timeout=60)  # free the nodes' CPUs
+    with private_redis() as redis:
+        s = settings("dspark-auto", verifier={"max_replicas": 2, "replicas": 1})
+        s.router.method, s.router.redis_url, s.verifier.redis_url = "none", redis.url, redis.url
+        # Any KV in use is "saturated", none is "idle": load scales the verifiers up, its end down again.
+        s.autoscaler = s.autoscaler.model_validate({"enabled": True, "interval_s": 0.5, "verifier_high": 0.01,
+                                                    "verifier_low": 0.005, "upscale_delay_s": 1.0,
+                                                    "downscale_delay_s": 2.0, "cooldown_s": 2.0,
+                                                    "drain_timeout_s": 10.0})
+        controller = create(s)
+        try:
+            ray.get(controller.start.remote(), timeout=180)
+
+            async def scaled_up(pools):
+                await until(serving(controller, "verifier", 2))
+                await asyncio.sleep(1.0)  # the router sees the event
+
+            done, router, _ = asyncio.run(serve_while(s, controller, tokenizer, [scaled_up]))
+            asyncio.run(until(serving(controller, "verifier", 1)))  # idle again: scaled down
+            events = ray.get(controller.status.remote())["events"]
+        finally:
+            ray.get(controller.shutdown.remote(), timeout=60)
+            ray.kill(controller)
+    assert [(e["pool"], e["before"], e["after"]) for e in events] == [("verifier", 1, 2), ("verifier", 2, 1)]
+    assert all(e["reason"].startswith("signal") for e in events)
+    assert router.metrics.scale_events.labels(router.model, "verifier", "up", "autoscaler")._value.get() == 1
     assert_plain_greedy(done)
 
 

@@ -127,14 +127,6 @@ def test_placement_is_sticky_and_counted_once():
     assert rs.placed("never") is None
 
 
-def test_avoid_prefers_another_member_but_falls_back():
-    rs = pool("a", "b")
-    for i in range(4):
-        assert rs.place(f"r{i}", avoid="a")[0] == "b"
-    only = pool("a")
-    assert only.place("r", avoid="a")[0] == "a"
-
-
 def test_draining_member_keeps_its_requests_and_takes_no_new_ones():
     rs = pool("a", "b")
     on_a = [r for r in (f"r{i}" for i in range(4)) if rs.place(r)[0] == "a"]
