@@ -172,19 +172,29 @@ def test_killing_a_drafter_then_a_verifier_mid_stream_loses_no_request(deploymen
     asyncio.run(until(serving(controller, "drafter", 2)))
     killed = {}
 
-    def kill_busiest(pool: str):
+    def kill_busiest(pool: str, restart: bool):
+        """Kill the replica holding most requests: for good (the controller replaces it) or so that Ray restarts
+        it (max_restarts; the controller starts its server again, at a new address)."""
         async def step(pools):
             await asyncio.sleep(2.0)
             load = (pools.drafters if pool == "drafter" else pools.verifiers).load()
             victim = max(load, key=load.get)
             assert load[victim] > 0  # it holds requests in flight
-            ray.kill(ray.get_actor(victim, namespace="dspark-test"))
+            before = (await controller.members.remote())[pool]
+            ray.kill(ray.get_actor(victim, namespace="dspark-test"), no_restart=not restart)
             killed[pool] = victim
-            await until(serving(controller, pool, 2, without=victim))  # the controller replaced it
+            await until(serving(controller, pool, 2, without=None if restart else victim))
+            if restart:
+                await until(lambda: moved(pool, victim, before))
         return step
 
-    done, router, _ = asyncio.run(serve_while(s, controller, tokenizer, [kill_busiest("drafter"),
-                                                                         kill_busiest("verifier")]))
+    async def moved(pool: str, victim: str, before: list[dict]) -> bool:
+        now = {m["replica_id"]: m["address"] for m in (await controller.members.remote())[pool]}
+        old = {m["replica_id"]: m["address"] for m in before}
+        return victim in now and now[victim] != old[victim]
+
+    done, router, _ = asyncio.run(serve_while(s, controller, tokenizer, [kill_busiest("drafter", restart=False),
+                                                                         kill_busiest("verifier", restart=True)]))
     assert set(killed) == {"drafter", "verifier"}
     assert router.metrics.drafter_detached.labels(router.model)._value.get() > 0
     assert router.metrics.verifier_reprefills.labels(router.model)._value.get() > 0
