@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODEL ?= dspark-target
 PROMPT ?= def fibonacci(n):
 
-.PHONY: install serve test lint bench bench-tiers bench-policies data data-deps test-deps drafters acceptance clean
+.PHONY: install serve test lint bench bench-tiers bench-policies data data-deps test-deps drafters acceptance image clean
 
 $(BIN)/dspark: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,9 +16,9 @@ $(BIN)/dspark: pyproject.toml
 
 install: $(BIN)/dspark
 
-# Main job: the tiered server on embedded defaults. Verifier (shipped target) and drafter (its shipped
-# drafters) run as separate processes on free loopback ports; the OpenAI-compatible API listens on
-# http://127.0.0.1:8000/v1 (model "dspark-target", DSpark drafts, γ = 7). Ctrl-C stops all three.
+# Main job: the tiered server on embedded defaults. A local Ray instance on 127.0.0.1 runs one verifier replica
+# (shipped target) and one drafter replica (its shipped drafters) as actors; the OpenAI-compatible API listens on
+# http://127.0.0.1:8000/v1 (model "dspark-target", DSpark drafts, γ = 7, policy dspark). Ctrl-C stops it all.
 serve: $(BIN)/dspark
 	$(BIN)/dspark serve --model $(MODEL)
 
@@ -70,6 +70,10 @@ acceptance: $(BIN)/dspark
 		--markdown docs/results/acceptance.md
 	$(BIN)/dspark eval --drafter all --gamma 7 --temperature 1 --batch 1,16 --out-dir build/eval/headline \
 		--markdown docs/results/acceptance-batch1.md
+
+# The cluster image of infra/ (ray up, KubeRay): Ray 2.60, torch, dspark and the shipped models.
+image:
+	docker build -f infra/Dockerfile -t dspark:0.1.0 .
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache

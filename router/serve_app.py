@@ -4,7 +4,7 @@ RayService deploys Ray Serve applications, so dspark runs inside one: a single S
 the head node, that does what `dspark serve --address auto` does there — the controller with both pools
 as Ray actors, and the router's OpenAI-compatible API on `router.host:router.port` (its own uvicorn;
 Serve's proxy carries no client traffic). Settings come from the file at $DSPARK_SERVE_CONFIG; secrets
-from DSPARK_API_KEY and DSPARK_REDIS_URL. Serve's health checks follow the router: a router that
+from DSPARK_API_KEY and DSPARK_REDIS_URL (which here beats the file, as `--redis-url` does). Serve's health checks follow the router: a router that
 stopped fails `check_health`, and Serve replaces the replica (controller and pools with it).
 Needs Ray Serve (`ray[serve]`, in the rayproject/ray images); the rest of dspark does not.
 """
@@ -32,6 +32,8 @@ class DsparkDeployment:
     def __init__(self, config_path: str):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s serve-app %(levelname)s %(message)s")
         s: ServeSettings = load(ServeSettings, config_path, {})
+        # The URL may hold a password: from a Secret through the environment, over the file's placeholder.
+        s.router.redis_url = os.environ.get("DSPARK_REDIS_URL") or s.router.redis_url
         s.verifier.redis_url = s.drafter.redis_url = s.router.redis_url
         self.controller = create(s)
         ray.get(self.controller.start.remote())  # the constructor runs off Serve's event loop: blocking is fine
