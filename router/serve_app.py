@@ -4,8 +4,9 @@ RayService deploys Ray Serve applications, so dspark runs inside one: a single S
 the head node, that does what `dspark serve --address auto` does there — the controller with both pools
 as Ray actors, and the router's OpenAI-compatible API on `router.host:router.port` (its own uvicorn;
 Serve's proxy carries no client traffic). Settings come from the file at $DSPARK_SERVE_CONFIG; secrets
-from DSPARK_API_KEY and DSPARK_REDIS_URL (which here beats the file, as `--redis-url` does). Serve's health checks follow the router: a router that
-stopped fails `check_health`, and Serve replaces the replica (controller and pools with it).
+from DSPARK_API_KEY and DSPARK_REDIS_URL (which here beats the file, as `--redis-url` does). Serve's
+health checks follow the router: a router that stopped fails `check_health`, and Serve replaces the
+replica (controller and pools with it).
 Needs Ray Serve (`ray[serve]`, in the rayproject/ray images); the rest of dspark does not.
 """
 
