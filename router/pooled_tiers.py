@@ -73,6 +73,11 @@ class PooledVerifier:
         if placed is not None:
             await placed[1].release(request_id)
 
+    def engine_of(self, request_id: str) -> str | None:
+        """The board key (address) of the replica this request is on, if it is placed."""
+        placed = self.replicas.placed(request_id)
+        return None if placed is None else self.replicas.member(placed[0]).address
+
     async def profile(self) -> VerifierProfile:
         """The first healthy replica's profile (replicas of one pool run the same model on the same hardware)."""
         healthy = self.replicas.healthy()

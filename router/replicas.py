@@ -75,6 +75,9 @@ class ReplicaSet(Generic[Client]):
     def members(self) -> list[Member]:
         return [s.member for s in self._slots.values()]
 
+    def member(self, replica_id: str) -> Member:
+        return self._slots[replica_id].member
+
     def client(self, replica_id: str) -> Client:
         return self._slots[replica_id].client
 

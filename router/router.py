@@ -156,12 +156,13 @@ class Router:
                 done = await self._verify(s, block)
                 out = done.output
                 vspan.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted})
-            self.planner.observe_verify(time.perf_counter() - sent)
+            self.planner.observe_verify(s.request.request_id, time.perf_counter() - sent)
             if decision is not None:
                 self.planner.learn(s.spec.method, s.params.greedy, decision, out.num_drafts, out.num_accepted)
             self.metrics.cycle(out.num_drafts, out.num_accepted)
             s.observe_cycle(time.perf_counter() - started)
-            self.planner.observe_cycle(time.perf_counter() - started, s.spec.policy, drafted=decision is not None)
+            self.planner.observe_cycle(s.request.request_id, time.perf_counter() - started, s.spec.policy,
+                                       drafted=decision is not None)
             s.add_features(out.feature_start, out.features)
             kept, text = s.commit(out.emitted)
             span.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted,
@@ -200,9 +201,9 @@ class Router:
     async def _draft(self, s: Session, bound: int) -> DraftBlock | None:
         if self.drafter is None or s.spec.policy is Policy.NONE:
             return None
-        if not self.planner.wants_draft(s.spec.policy, s.spec.min_tokens_per_s):
+        if not self.planner.wants_draft(s.request.request_id, s.spec.policy, s.spec.min_tokens_per_s):
             self.metrics.drafts_skipped.labels(self.model).inc()
-            self.metrics.scheduler_cycles.labels(self.model, self.planner.budget.plan.source).inc()
+            self.metrics.scheduler_cycles.labels(self.model, self.planner.source(s.request.request_id)).inc()
             return None  # the delta keeps growing; the next draft carries it
         if not s.drafter_ok:  # opened at the first draft (dspark may never need one), reopened after a loss
             if s.detached_at is not None and s.cycle - s.detached_at < s.reattach_wait:

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.budget import VerifierView, VerifyBudget, leading, plan_budget, sla_len
+from router.planner import VerifyPlanner
 from router.scheduler import SpsCurve, survival
 
 MEASURED = SpsCurve((1, 2, 4, 8, 16, 32, 64, 128), (18.5, 25.4, 27.2, 31.1, 38.7, 56.1, 85.6, 139.9))  # this CPU
@@ -102,3 +103,19 @@ def test_drafting_cost_can_make_plain_decoding_the_plan_and_probes_keep_it_curre
     assert asks == [True, False, True, False, True, False]  # probes at growing intervals: 1 s, 2 s, then 4 s
     budget.draft_extra_s = 0.0  # drafting got cheap: the plan drafts again, probing starts over
     assert budget.wants_draft(VerifierView(), now=106.0) and budget._probe_every == 1.0
+
+
+def test_each_verifier_replica_has_its_own_budget_and_a_moved_request_follows():
+    where = {"a": "v1", "b": "v1", "c": "v2"}
+    planner = VerifyPlanner(0.3, engine_of=where.get)
+    for rid in where:
+        planner.join(rid)
+    assert sorted(planner.budget("a")[1].rows) == ["a", "b"]
+    assert list(planner.budget("c")[1].rows) == ["c"]
+    where["b"] = "v2"  # re-prefilled on the other replica
+    planner.budget("b")
+    assert sorted(planner.budget("c")[1].rows) == ["b", "c"] and list(planner.budget("a")[1].rows) == ["a"]
+    del where["b"]  # unplaced for a moment (its replica failed): still counted where it was
+    assert planner.budget("b")[0] == "v2"
+    planner.leave("b")
+    assert list(planner.budget("c")[1].rows) == ["c"]
