@@ -47,3 +47,24 @@ def test_serve_keeps_tiers_private_and_passes_model_and_tracing_to_every_role(mo
         assert role.host == "127.0.0.1" and role.port == 0 and role.traces == "console"
     explicit = serve_settings(argparse.Namespace(**{**vars(args), "api_key": "flag-key"}))
     assert explicit.router.api_key == ["flag-key"]  # the flag beats DSPARK_API_KEY
+
+
+def test_serve_flags_set_the_ray_address_and_the_pools(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("pools:\n  verifier: {max_replicas: 8, resources: {verifier_node: 1}}\n")
+    args = build_parser().parse_args(["serve", "--config", str(path), "--address", "auto", "--verifier-replicas", "3",
+                                      "--drafter-replicas", "2", "--tensor-parallel", "2"])
+    s = serve_settings(args)
+    assert s.ray.address == "auto"
+    assert (s.pools.verifier.replicas, s.pools.verifier.tensor_parallel, s.pools.drafter.replicas) == (3, 2, 2)
+    assert s.pools.verifier.resources == {"verifier_node": 1} and s.pools.verifier.max_replicas == 8  # file kept
+    assert serve_settings(build_parser().parse_args(["serve"])).ray.address is None  # default: local instance
+
+
+def test_pool_bounds_and_unsharded_drafters_are_enforced():
+    with pytest.raises(InvalidRequestError, match="outside"):
+        load(ServeSettings, None, {"pools": {"verifier": {"replicas": 5, "max_replicas": 4}}})
+    with pytest.raises(InvalidRequestError, match="tensor_parallel"):
+        load(ServeSettings, None, {"pools": {"drafter": {"tensor_parallel": 2}}})
+    with pytest.raises(InvalidRequestError, match="Extra inputs"):
+        load(ServeSettings, None, {"autoscaler": {"enable": True}})
