@@ -84,11 +84,13 @@ async def load(router_settings, discovery, prompts, clients, requests, max_token
     return {"per_user": statistics.mean(speeds), "total": tokens / wall, "max_gap_s": max(gaps)}
 
 
-async def until_serving(controller, pool: str, count: int) -> float:
+async def until_serving(controller, pool: str, count: int, without: str | None = None) -> float:
+    """Seconds until `pool` has exactly `count` replicas, all serving, none of them `without`."""
     t0 = time.perf_counter()
     while True:
         replicas = (await controller.status.remote())["pools"][pool]["replicas"]
-        if [r["state"] for r in replicas].count("serving") == count == len(replicas):
+        states = [r["state"] for r in replicas]
+        if states.count("serving") == count == len(replicas) and without not in [r["replica_id"] for r in replicas]:
             return time.perf_counter() - t0
         await asyncio.sleep(0.1)
 
@@ -135,10 +137,9 @@ def main() -> None:
     async def kill(pools):
         await asyncio.sleep(1.5)
         load_now = pools.verifiers.load()
-        ray.kill(ray.get_actor(max(load_now, key=load_now.get), namespace="dspark-bench"))
-        killed["at"] = time.perf_counter()
-        await asyncio.sleep(0.5)
-        killed["replaced_s"] = await until_serving(controller, "verifier", 2) + 0.5
+        victim = max(load_now, key=load_now.get)
+        ray.kill(ray.get_actor(victim, namespace="dspark-bench"))
+        killed["replaced_s"] = await until_serving(controller, "verifier", 2, without=victim)
 
     out["kill_verifier"] = {**run(s.router, RayDiscovery(controller), 4, kill), "replaced_s": killed["replaced_s"]}
     ray.get(controller.shutdown.remote())
