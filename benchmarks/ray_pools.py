@@ -28,8 +28,8 @@ from router.serve_config import RaySettings, ServeSettings
 
 connect(RaySettings(namespace="dspark-bench"))
 import ray  # noqa: E402
-from policies import load_prompts  # noqa: E402
 
+from benchmarks.policies import load_prompts  # noqa: E402
 from router.controller import RayDiscovery, create  # noqa: E402
 from router.launcher import start_tiers  # noqa: E402
 from router.pooled_tiers import StaticDiscovery  # noqa: E402

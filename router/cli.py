@@ -11,6 +11,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from router.cli_bench import add_parser as add_bench_parser
+from router.cli_bench import run_bench
 from router.cli_drafters import (
     add_cache_parser,
     add_eval_parsers,
@@ -48,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parsers(sub)
     add_top_parser(sub)
     add_scale_parsers(sub)
+    add_bench_parser(sub)
 
     gen = sub.add_parser("generate", help="generate in-process (no Ray, no gRPC), with or without speculation")
     _add_model_args(gen)
@@ -224,7 +227,7 @@ def _models(args: argparse.Namespace) -> int:
 _COMMANDS = {
     "generate": _generate, "profile": _profile, "data": _data, "train": _train, "models": _models,
     "make-tiny-model": _make_tiny, "calibrate": run_calibrate, "eval": run_eval,
-    "serve": run_serve, "top": run_top, "scale": run_scale, "pools": run_scale,
+    "serve": run_serve, "top": run_top, "scale": run_scale, "pools": run_scale, "bench": run_bench,
     "verifier": run_role, "drafter": run_role, "router": run_role,
 }
 

@@ -1,0 +1,71 @@
+"""`dspark bench` end to end against the real API over gRPC tiers, and its losslessness gates."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+from benchmarks.serve_bench.report import markdown, plots
+
+from benchmarks.serve_bench.runner import BenchConfig, greedy_gate, permutation_chi2, run
+from benchmarks.serve_bench.workloads import load_workload
+from router.launcher import start_tiers
+from router.serve_config import RouterSettings
+from tests.tiers import api_server, drafter_settings, verifier_settings
+
+pytestmark = pytest.mark.slow
+ARMS = ["none", "mtp1", "dspark-fixed", "dspark"]
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    tiers = start_tiers([("verifier", verifier_settings()),
+                         ("drafter", drafter_settings(drafters=["dspark-target-dspark", "dspark-target-mtp"]))])
+    settings = RouterSettings(verifier=tiers[0].address, drafter=tiers[1].address, methods=["dspark", "mtp"],
+                              max_model_len=512)
+    try:
+        with api_server(settings) as (url, _):
+            yield url
+    finally:
+        for tier in tiers:
+            tier.stop()
+
+
+def test_a_bench_run_measures_every_arm_and_passes_its_gates(base_url, tmp_path):
+    cfg = BenchConfig(base_url, load_workload("mix"), ARMS, concurrency=[1, 3], rates=[8.0], requests=6,
+                      max_tokens=16, gamma=4, dist_samples=80)
+    ticks = []
+    results = asyncio.run(run(cfg, lambda: ticks.append(1)))
+    assert len(ticks) == len(ARMS) * (3 * 6 + 80)
+    assert [(c["arm"], c["load"]) for c in results["cells"]][:4] == [(a, {"mode": "closed", "concurrency": 1})
+                                                                     for a in ARMS]
+    for cell in results["cells"]:
+        assert cell["summary"]["completed"] == 6 and cell["summary"]["failed"] == 0, cell["errors"]
+        assert cell["summary"]["output_throughput"] > 0
+    by_arm = {c["arm"]: c["server"] for c in results["cells"] if c["load"] == {"mode": "closed", "concurrency": 1}}
+    assert by_arm["none"]["drafts"] == 0  # counters are diffed per cell: no leak from the other arms
+    assert by_arm["dspark-fixed"]["tau"] > 1 and by_arm["mtp1"]["mean_verify_len"] <= 1
+    assert results["gates"]["greedy_identical"] == {a: True for a in ARMS[1:]}
+    assert all(g["passed"] for g in results["gates"]["distribution"].values()), results["gates"]
+    images = plots(json.loads(json.dumps(results)), tmp_path)  # what results.json holds
+    assert images and all(p.stat().st_size > 0 for p in images)
+    assert "dspark" in markdown(results, images)
+
+
+def test_the_greedy_gate_fails_on_one_differing_output():
+    cfg = BenchConfig("", load_workload("code"), ["none", "dspark"], concurrency=[1], requests=2)
+    same = {("none", "c=1"): ["a", "b"], ("dspark", "c=1"): ["a", "b"]}
+    assert greedy_gate(cfg, same) == {"dspark": True}
+    assert greedy_gate(cfg, {**same, ("dspark", "c=1"): ["a", "c"]}) == {"dspark": False}
+    assert greedy_gate(cfg, {**same, ("dspark", "c=1"): ["a", None]}) == {"dspark": False}  # a failed request
+
+
+def test_the_permutation_test_tells_distributions_apart():
+    rng = random.Random(0)
+    a = [rng.choice("xyz") for _ in range(300)]
+    b = [rng.choice("xyz") for _ in range(300)]
+    skewed = [rng.choice("xxxyz") for _ in range(300)]
+    assert permutation_chi2(a, b, rounds=500) > 0.01
+    assert permutation_chi2(a, skewed, rounds=500) < 0.01
