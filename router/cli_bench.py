@@ -43,11 +43,11 @@ def add_parser(sub) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from benchmarks.serve_bench.report import markdown, plots
     from rich.console import Console
     from rich.progress import Progress
 
     from benchmarks.serve_bench.metrics import Slo
+    from benchmarks.serve_bench.report import markdown, plots
     from benchmarks.serve_bench.runner import BenchConfig, loads, run
     from benchmarks.serve_bench.workloads import load_workload
 
