@@ -47,7 +47,8 @@ def run_bench(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from benchmarks.serve_bench.metrics import Slo
-    from benchmarks.serve_bench.report import markdown, plots
+    from benchmarks.serve_bench.plots import plots
+    from benchmarks.serve_bench.report import markdown
     from benchmarks.serve_bench.runner import BenchConfig, loads, run
     from benchmarks.serve_bench.workloads import load_workload
 

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from benchmarks.serve_bench.report import markdown, plots
+from benchmarks.serve_bench.plots import plots
+from benchmarks.serve_bench.report import markdown
 from benchmarks.serve_bench.runner import BenchConfig, greedy_gate, permutation_chi2, run
 from benchmarks.serve_bench.workloads import load_workload
 from router.launcher import start_tiers

@@ -11,8 +11,10 @@ import math
 import pytest
 from prometheus_client import generate_latest
 
+from benchmarks.serve_bench.cells import interpolate_speed, matched_ratios
 from benchmarks.serve_bench.metrics import RequestResult, Slo, summarize
-from benchmarks.serve_bench.report import interpolate_speed, markdown, matched_ratios, plots
+from benchmarks.serve_bench.plots import plots
+from benchmarks.serve_bench.report import markdown
 from benchmarks.serve_bench.server_metrics import scrape, spec_decode
 from router.metrics import RouterMetrics
 
