@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 MODEL ?= dspark-target
 PROMPT ?= def fibonacci(n):
 
-.PHONY: install serve test lint bench bench-tiers bench-policies data data-deps test-deps drafters acceptance image clean
+.PHONY: install serve test lint bench bench-tiers bench-policies bench-ray results-serving data data-deps test-deps drafters \
+	acceptance image clean
 
 $(BIN)/dspark: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +40,19 @@ bench-tiers: $(BIN)/dspark
 
 bench-policies: $(BIN)/dspark
 	$(BIN)/python benchmarks/policies.py
+
+# What the Ray pools cost against plain processes, scale-up and recovery times, TP = 2 against TP = 1.
+bench-ray: $(BIN)/dspark
+	$(BIN)/python benchmarks/ray_pools.py
+
+# docs/results/serving.md: the SPS profile, `dspark bench` on embedded defaults (every arm, c = 1..8), then
+# `dspark simulate` calibrated on it (validation, 1..1000 verifiers, drafter : verifier ratio). About 25 min.
+results-serving: $(BIN)/dspark
+	OMP_NUM_THREADS=1 $(BIN)/dspark profile --model $(MODEL) --threads 1 --context 256 --json > benchmarks/results/sps-cpu.json
+	$(BIN)/dspark bench --concurrency 1,2,4,8 --requests 16 --max-tokens 64 --out-dir benchmarks/results/serving-cpu
+	$(BIN)/dspark simulate --bench benchmarks/results/serving-cpu/results.json --profile benchmarks/results/sps-cpu.json \
+		--validate --scale --ratio --out-dir benchmarks/results/simulate
+	$(BIN)/python benchmarks/serving_doc.py
 
 # Debian's python3.11-doc holds the reST sources of the chat corpus.
 data-deps:
