@@ -26,6 +26,8 @@ from router.cli_scale import add_parsers as add_scale_parsers
 from router.cli_scale import run_scale
 from router.cli_serve import add_parsers as add_serve_parsers
 from router.cli_serve import run_role, run_serve
+from router.cli_simulate import add_parser as add_simulate_parser
+from router.cli_simulate import run_simulate
 from router.cli_top import add_parser as add_top_parser
 from router.cli_top import run_top
 from services.errors import DsparkError
@@ -51,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_top_parser(sub)
     add_scale_parsers(sub)
     add_bench_parser(sub)
+    add_simulate_parser(sub)
 
     gen = sub.add_parser("generate", help="generate in-process (no Ray, no gRPC), with or without speculation")
     _add_model_args(gen)
@@ -228,6 +231,7 @@ _COMMANDS = {
     "generate": _generate, "profile": _profile, "data": _data, "train": _train, "models": _models,
     "make-tiny-model": _make_tiny, "calibrate": run_calibrate, "eval": run_eval,
     "serve": run_serve, "top": run_top, "scale": run_scale, "pools": run_scale, "bench": run_bench,
+    "simulate": run_simulate,
     "verifier": run_role, "drafter": run_role, "router": run_role,
 }
 

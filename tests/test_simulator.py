@@ -1,0 +1,125 @@
+"""The cluster simulator (`benchmarks/simulator`): closed forms, policies, scaling, determinism, calibration."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks.simulator import Arm, Cluster, CostModel, DraftCost, Simulation, StepProfile, Workload, simulate
+from benchmarks.simulator.calibrate import calibrate, load_results
+from benchmarks.simulator.policies import SimBudget
+from benchmarks.simulator.studies import validate
+from router.scheduler import SpsCurve
+
+STEP_S = 0.010
+
+
+def flat_cost(draft_s: float = 0.0, **kw) -> CostModel:
+    """Constant 10 ms steps, free network and router, no batch window: cycles are exactly one step."""
+    profile = StepProfile(SpsCurve((1, 10_000), (STEP_S * 1000, STEP_S * 1000)))
+    return CostModel(profile, {"default": DraftCost(draft_s)}, hop_s=0.0, router_s=0.0, batch_window_s=0.0, **kw)
+
+
+def fixed(accept: float, gamma: int = 3) -> Arm:
+    return Arm("fixed", "fixed", "default", gamma, (accept,) * gamma)
+
+
+def test_full_acceptance_matches_closed_form():
+    gamma, cycles = 3, 4
+    output = 1 + cycles * (gamma + 1)  # the prefill's token, then γ + 1 per cycle
+    r = simulate(fixed(1.0, gamma), flat_cost(), Cluster(1, 1), Workload(8, output, clients=1, requests=1))
+    assert r.tau == gamma + 1
+    assert r.mean_verify_len == gamma
+    assert r.output_throughput == pytest.approx(output / ((1 + cycles) * STEP_S))
+    assert r.per_user_tok_s_median == pytest.approx((output - 1) / (cycles * STEP_S))
+    assert r.ttft_ms_mean == pytest.approx(STEP_S * 1000)
+
+
+def test_zero_acceptance_emits_one_token_per_cycle():
+    r = simulate(fixed(0.0), flat_cost(), Cluster(1, 1), Workload(8, 20, clients=1, requests=3))
+    assert r.tau == 1.0
+    assert r.per_user_tok_s_median == pytest.approx(1 / STEP_S)
+
+
+def test_none_never_drafts():
+    sim = Simulation(Arm("none", "none"), flat_cost(0.005), Cluster(1, 1), Workload(8, 20, clients=4, requests=8))
+    r = sim.run()
+    assert r.draft_fraction == 0.0 and r.mean_verify_len == 0.0 and r.tau == 1.0
+    assert not sim.drafters[0].sessions
+
+
+def test_dspark_decodes_plainly_when_drafting_does_not_pay():
+    arm = Arm("dspark", "dspark", "default", 4, (0.6,) * 4)
+    r = simulate(arm, flat_cost(draft_s=0.5), Cluster(1, 1), Workload(8, 64, clients=2, requests=4))
+    assert r.mean_budget == 0.0  # K* = 0 in every plan once the cost is measured
+    assert r.draft_fraction < 0.15  # only the first blocks and the probes draft
+    budget = SimBudget(flat_cost().profile, rows={1: (0.6, 0.36)}, plain_extra_s=0.001, draft_extra_s=0.5)
+    assert not budget.current(0.0).draft
+    cheap = SimBudget(flat_cost().profile, rows={1: (0.6, 0.36)}, plain_extra_s=0.001, draft_extra_s=0.001)
+    assert cheap.current(0.0).budget == 2
+
+
+def test_throughput_scales_with_verifiers_under_proportional_load():
+    arm, cost = fixed(0.7), flat_cost(0.002)
+    one = simulate(arm, cost, Cluster(1, 1), Workload(8, 32, clients=8, requests=24))
+    four = simulate(arm, cost, Cluster(4, 4), Workload(8, 32, clients=32, requests=96))
+    assert four.output_throughput / one.output_throughput == pytest.approx(4.0, rel=0.1)
+    assert four.per_user_tok_s_median == pytest.approx(one.per_user_tok_s_median, rel=0.1)
+
+
+def test_deterministic_with_a_seed():
+    arm = Arm("dspark", "dspark", "default", 5, (0.7, 0.6, 0.5))
+    work, cost = Workload(16, 40, clients=6, requests=18, stagger_s=0.05), flat_cost(0.003)
+    runs = [dataclasses.replace(simulate(arm, cost, Cluster(2, 1), work, seed=7), wall_s=0.0) for _ in range(2)]
+    assert runs[0] == runs[1]
+    other = dataclasses.replace(simulate(arm, cost, Cluster(2, 1), work, seed=8), wall_s=0.0)
+    assert other != runs[0]
+
+
+def _cell(arm: str, c: int, tpot_ms: float, tau: float, verify_len: float, uncond: list[float]) -> dict:
+    completed, output = 8, 32
+    cycles = (output - 1) * completed / tau
+    return {"arm": arm, "load": {"mode": "closed", "concurrency": c},
+            "summary": {"completed": completed, "total_input_tokens": 60 * completed,
+                        "total_output_tokens": output * completed, "output_throughput": 1000 / tpot_ms,
+                        "per_user_tok_s_median": 1000 / tpot_ms, "tpot_ms_mean": tpot_ms, "ttft_ms_mean": 70.0},
+            "server": {"drafts": cycles if uncond else 0, "per_position_unconditional": uncond,
+                       "verify_cycles": cycles, "mean_verify_len": verify_len}}
+
+
+def fixture_results() -> dict:
+    return {"metadata": {"gamma": 4}, "cells": [
+        _cell("none", 1, 22.0, 1.0, 0.0, []), _cell("mtp1", 1, 21.0, 1.8, 1.0, [0.8]),
+        _cell("dspark-fixed", 1, 26.0, 2.1, 3.7, [0.55, 0.25, 0.19, 0.15]),
+        _cell("dspark", 1, 24.0, 1.05, 0.05, [0.9])]}
+
+
+def _check_calibration(results: dict) -> None:
+    profile = StepProfile.load(Path("benchmarks/results/sps-cpu.json"))
+    cal = calibrate(results, profile)
+    assert cal.hop_s > 0 and cal.router_s > 0 and math.isfinite(cal.ttft_offset_s)
+    assert cal.draft_s and all(0 < s < 1 and math.isfinite(s) for s in cal.draft_s.values())
+    assert cal.arms["dspark"].accept == cal.arms["dspark-fixed"].accept  # same drafter, untrimmed blocks
+    assert all(0 < c <= 1 for c in cal.arms["dspark-fixed"].accept)
+    rows = validate(results, cal, cal.cost(profile), seeds=1)
+    assert rows and all(r.simulated["output_throughput"] > 0 for r in rows)
+
+
+def test_calibration_on_a_fixture_gives_finite_positive_constants():
+    _check_calibration(fixture_results())
+
+
+@pytest.mark.skipif(not Path("/tmp/benchout/results.json").exists(), reason="no local bench run")
+def test_calibration_on_a_local_bench_run():
+    _check_calibration(load_results(Path("/tmp/benchout/results.json")))
+
+
+def test_gpu_example_profile_is_marked_illustrative():
+    path = Path("benchmarks/simulator/profiles/gpu-example.json")
+    assert "ILLUSTRATIVE" in json.loads(path.read_text())["description"]
+    profile = StepProfile.load(path)
+    assert profile.step_s(64) == pytest.approx(0.025) and profile.step_s(512) == pytest.approx(0.050)
