@@ -45,11 +45,14 @@ bench-policies: $(BIN)/dspark
 bench-ray: $(BIN)/dspark
 	$(BIN)/python benchmarks/ray_pools.py
 
-# docs/results/serving.md: the SPS profile, `dspark bench` on embedded defaults (every arm, c = 1..8), then
-# `dspark simulate` calibrated on it (validation, 1..1000 verifiers, drafter : verifier ratio). About 25 min.
+# docs/results/serving.md: the SPS profile, `dspark bench` on embedded defaults (every arm, closed loop c = 1..8, then
+# open loop at 0.5..2 requests/s with the T = 1 distribution gate), then `dspark simulate` calibrated on the closed
+# loop (validation, 1..1000 verifiers, drafter : verifier ratio). About 35 min.
 results-serving: $(BIN)/dspark
 	OMP_NUM_THREADS=1 $(BIN)/dspark profile --model $(MODEL) --threads 1 --context 256 --json > benchmarks/results/sps-cpu.json
 	$(BIN)/dspark bench --concurrency 1,2,4,8 --requests 16 --max-tokens 64 --out-dir benchmarks/results/serving-cpu
+	$(BIN)/dspark bench --concurrency "" --rates 0.5,1,2 --requests 16 --max-tokens 64 --dist-samples 100 \
+		--out-dir benchmarks/results/serving-cpu-open
 	$(BIN)/dspark simulate --bench benchmarks/results/serving-cpu/results.json --profile benchmarks/results/sps-cpu.json \
 		--validate --scale --ratio --out-dir benchmarks/results/simulate
 	$(BIN)/python benchmarks/serving_doc.py
