@@ -70,7 +70,7 @@ def run_bench(args: argparse.Namespace) -> int:
             results = asyncio.run(run(cfg, lambda: progress.advance(task)))
     (args.out_dir / "results.json").write_text(json.dumps(results, indent=1))
     images = plots(results, args.out_dir)
-    (args.out_dir / "summary.md").write_text(markdown(results, images))
+    (args.out_dir / "summary.md").write_text(markdown(results, images, base=args.out_dir))
     console = Console()
     console.print(f"results in {args.out_dir}/: results.json, summary.md, {', '.join(p.name for p in images)}")
     gates = results["gates"]

@@ -50,6 +50,8 @@ def test_a_bench_run_measures_every_arm_and_passes_its_gates(base_url, tmp_path)
     assert by_arm["dspark-fixed"]["tau"] > 1 and by_arm["mtp1"]["mean_verify_len"] <= 1
     assert results["gates"]["greedy_identical"] == {a: True for a in ARMS[1:]}
     assert all(g["passed"] for g in results["gates"]["distribution"].values()), results["gates"]
+    # The sampled requests went through speculative cycles, not only the prefill's token.
+    assert all(g["draft_tokens"] > 0 for a, g in results["gates"]["distribution"].items() if a != "dspark")
     images = plots(json.loads(json.dumps(results)), tmp_path)  # what results.json holds
     assert images and all(p.stat().st_size > 0 for p in images)
     assert "dspark" in markdown(results, images)

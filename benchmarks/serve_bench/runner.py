@@ -4,7 +4,7 @@ Loads are closed loop (C clients back to back) and open loop (Poisson arrivals a
 each load the arms run one after another on the same server (the arm is a per-request option), each
 cell between two scrapes of /metrics, so server-side figures (τ, acceptance, verify budget, wasted
 tokens) belong to that cell alone. Gates: greedy arms must produce the `none` arm's text request for
-request; sampled arms must match `none`'s distribution of the first two tokens (permutation χ² test).
+request; sampled arms must match `none`'s distribution of the first three tokens (permutation χ² test).
 """
 
 from __future__ import annotations
@@ -130,25 +130,33 @@ def greedy_gate(cfg: BenchConfig, texts: dict) -> dict[str, bool]:
 
 
 async def distribution_gate(http: httpx.AsyncClient, cfg: BenchConfig, tick) -> dict:
-    """`dist_samples` seeded T = 1 requests of one prompt per arm, 2 tokens each (the first comes from the
-    prefill, the second from a speculative cycle): each arm's outcomes against `none`'s."""
+    """`dist_samples` T = 1 requests of one prompt per arm, 3 tokens each: the first comes from the prefill, the
+    second from a cycle that may verify one draft (a cycle never drafts the request's last token), the third
+    follows it. Each arm's outcomes against `none`'s; every arm has its own seeds, so the samples are
+    independent (equal seeds could couple the arms' outcomes and hide a difference)."""
     async def outcomes(arm: str) -> list[str]:
         sem = asyncio.Semaphore(8)
+        base = cfg.seed + 10_000 + 100_000 * cfg.arms.index(arm)
 
         async def one(i: int) -> str:
             async with sem:
-                b = {**body(cfg, arm, 0), "max_tokens": 2, "temperature": 1.0, "seed": cfg.seed + 10_000 + i}
+                b = {**body(cfg, arm, 0), "max_tokens": 3, "temperature": 1.0, "seed": base + i}
                 r = await complete(http, arm, b, time.perf_counter())
                 tick()
                 return r.text if r.ok else f"<error {r.error}>"
 
         return list(await asyncio.gather(*(one(i) for i in range(cfg.dist_samples))))
 
+    if "none" not in cfg.arms:
+        return {}
     reference = await outcomes("none")
     gate = {}
     for arm in (a for a in cfg.arms if a != "none"):
-        p = permutation_chi2(await outcomes(arm), reference, seed=cfg.seed)
-        gate[arm] = {"p_value": p, "passed": p > GATE_P}
+        before = await metrics_now(http)
+        samples = await outcomes(arm)
+        verified = spec_decode(before, await metrics_now(http))["draft_tokens"]  # the gate exercised drafts
+        p = permutation_chi2(samples, reference, seed=cfg.seed)
+        gate[arm] = {"p_value": p, "passed": p > GATE_P, "draft_tokens": verified}
     return gate
 
 
