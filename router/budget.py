@@ -151,10 +151,10 @@ class VerifyBudget:
         return self.plan
 
     def trim(self, request_id: str, survivals: Sequence[float], view: VerifierView,
-             tokens_needed: float = 0.0) -> tuple[int, Plan]:
+             tokens_needed: float = 0.0, now: float | None = None) -> tuple[int, Plan]:
         """ℓ for a block just arrived (its survivals, already capped by γ and the token budget), then
         record the block for later plans. `tokens_needed` (SLA) can only raise ℓ."""
-        plan = self.current(view)
+        plan = self.current(view, now)
         length = max(leading(survivals, plan.threshold), sla_len(survivals, tokens_needed) if tokens_needed else 0)
         self.rows[request_id] = tuple(survivals)
         return length, plan

@@ -43,10 +43,18 @@ class StaticDiscovery:
         return self._members
 
 
-class PooledVerifier:
+class _Pooled:
     def __init__(self, replicas: ReplicaSet):
         self.replicas = replicas
 
+    async def release(self, request_id) -> None:
+        placed = self.replicas.placed(request_id)
+        self.replicas.unplace(request_id)
+        if placed is not None:
+            await placed[1].release(request_id)
+
+
+class PooledVerifier(_Pooled):
     async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent) -> Prefilled:
         rid, client = self.replicas.place(request_id)
         try:
@@ -67,11 +75,6 @@ class PooledVerifier:
                 self.replicas.fail(rid, error)
             raise
 
-    async def release(self, request_id) -> None:
-        placed = self.replicas.placed(request_id)
-        self.replicas.unplace(request_id)
-        if placed is not None:
-            await placed[1].release(request_id)
 
     def engine_of(self, request_id: str) -> str | None:
         """The board key (address) of the replica this request is on, if it is placed."""
@@ -86,10 +89,7 @@ class PooledVerifier:
         return await self.replicas.client(healthy[0]).profile()
 
 
-class PooledDrafter:
-    def __init__(self, replicas: ReplicaSet):
-        self.replicas = replicas
-
+class PooledDrafter(_Pooled):
     async def open(self, request_id, context_ids, features, params, cycle, method, traceparent) -> None:
         old = self.replicas.placed(request_id)
         if old is not None:  # reopening: the old context may still exist there
@@ -114,11 +114,6 @@ class PooledDrafter:
             self.replicas.fail(rid, error)
             raise
 
-    async def release(self, request_id) -> None:
-        placed = self.replicas.placed(request_id)
-        self.replicas.unplace(request_id)
-        if placed is not None:
-            await placed[1].release(request_id)
 
 
 class Pools:

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.simulator import Arm, Cluster, CostModel, DraftCost, Simulation, StepProfile, Workload, simulate
 from benchmarks.simulator.calibrate import calibrate, load_results
-from benchmarks.simulator.policies import SimBudget
+from benchmarks.simulator.policies import OWN_LOAD, SimBudget
 from benchmarks.simulator.studies import validate
 from router.scheduler import SpsCurve
 
@@ -57,10 +57,13 @@ def test_dspark_decodes_plainly_when_drafting_does_not_pay():
     r = simulate(arm, flat_cost(draft_s=0.5), Cluster(1, 1), Workload(8, 64, clients=2, requests=4))
     assert r.mean_budget == 0.0  # K* = 0 in every plan once the cost is measured
     assert r.draft_fraction < 0.15  # only the first blocks and the probes draft
-    budget = SimBudget(flat_cost().profile, rows={1: (0.6, 0.36)}, plain_extra_s=0.001, draft_extra_s=0.5)
-    assert not budget.current(0.0).draft
-    cheap = SimBudget(flat_cost().profile, rows={1: (0.6, 0.36)}, plain_extra_s=0.001, draft_extra_s=0.001)
-    assert cheap.current(0.0).budget == 2
+    def budget(draft_extra_s: float) -> SimBudget:
+        b = SimBudget(flat_cost().profile)
+        b.rows, b.plain_extra_s, b.draft_extra_s = {1: (0.6, 0.36)}, 0.001, draft_extra_s
+        return b
+
+    assert not budget(0.5).current(OWN_LOAD, 0.0).draft
+    assert budget(0.001).current(OWN_LOAD, 0.0).budget == 2
 
 
 def test_throughput_scales_with_verifiers_under_proportional_load():

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from benchmarks.simulator.metrics import Tally, result
 from benchmarks.simulator.model import Arm, Cluster, CostModel, RequestStats, SimResult, Workload
-from benchmarks.simulator.policies import Block, SimBudget, accepted, draw_block, verify_len
+from benchmarks.simulator.policies import OWN_LOAD, Block, SimBudget, accepted, draw_block, verify_len
 
 
 @dataclass(slots=True)
@@ -117,7 +117,7 @@ class Simulation:
         req.cycle_at = self.now
         bound = min(self.arm.bound, req.remaining - 1)
         budget = self.verifiers[req.verifier].budget
-        req.drafted = bound > 0 and req.drafter >= 0 and (budget is None or budget.wants_draft(self.now))
+        req.drafted = bound > 0 and req.drafter >= 0 and (budget is None or budget.wants_draft(OWN_LOAD, self.now))
         if req.drafted:
             self.at(self.now + self.cost.hop_s, self.drafter_enqueue, req.drafter, rid)
         else:
