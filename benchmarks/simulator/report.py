@@ -52,39 +52,32 @@ def plot_validation(rows: list[ValidationRow], path: Path) -> Path:
 
 
 def plot_scale(rows: list[ScaleRow], path: Path) -> Path:
-    fig = Figure(figsize=(11, 4.2))
     metrics = (("throughput_per_gpu", "output tok/s per GPU (verifier + drafter share)"),
                ("per_user_tok_s", "per-user tok/s (median)"))
-    for i, (key, label) in enumerate(metrics):
-        ax = fig.add_subplot(1, 2, i + 1)
-        for arm in dict.fromkeys(r.arm for r in rows):
-            mine = sorted((r for r in rows if r.arm == arm), key=lambda r: r.verifiers)
-            ax.plot([r.verifiers for r in mine], [getattr(r, key) for r in mine], "o-", color=color(arm), label=arm)
-        ax.set_xscale("log")
-        ax.set_xlabel("verifier GPUs N (32 users each)")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    fig.axes[0].legend(fontsize=8)
-    fig.suptitle("scale-out on the illustrative GPU profile")
-    fig.tight_layout()
-    return _save(fig, path)
+    return _panels(rows, metrics, lambda r: r.verifiers, {"value": "log"}, "verifier GPUs N (32 users each)",
+                   "scale-out on the illustrative GPU profile", path)
 
 
 def plot_ratio(rows: list[ScaleRow], path: Path) -> Path:
-    fig = Figure(figsize=(11, 4.2))
     metrics = (("throughput", "output tok/s"), ("throughput_per_gpu", "output tok/s per GPU"))
+    return _panels(rows, metrics, lambda r: r.drafters / r.verifiers, {"value": "log", "base": 2},
+                   "drafter : verifier replicas (M/N)", "drafter : verifier ratio", path)
+
+
+def _panels(rows: list[ScaleRow], metrics, x, xscale: dict, xlabel: str, title: str, path: Path) -> Path:
+    """One panel per (row attribute, label), one line per arm against x(row) on a log axis."""
+    fig = Figure(figsize=(11, 4.2))
     for i, (key, label) in enumerate(metrics):
         ax = fig.add_subplot(1, 2, i + 1)
         for arm in dict.fromkeys(r.arm for r in rows):
-            mine = sorted((r for r in rows if r.arm == arm), key=lambda r: r.drafters)
-            ax.plot([r.drafters / r.verifiers for r in mine], [getattr(r, key) for r in mine], "o-",
-                    color=color(arm), label=arm)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("drafter : verifier replicas (M/N)")
+            mine = sorted((r for r in rows if r.arm == arm), key=x)
+            ax.plot([x(r) for r in mine], [getattr(r, key) for r in mine], "o-", color=color(arm), label=arm)
+        ax.set_xscale(**xscale)
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     fig.axes[0].legend(fontsize=8)
-    fig.suptitle("drafter : verifier ratio")
+    fig.suptitle(title)
     fig.tight_layout()
     return _save(fig, path)
 
