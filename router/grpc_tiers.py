@@ -45,6 +45,12 @@ class _StreamPool:
         except (TimeoutError, grpc.aio.UsageError, ConnectionError) as error:
             self.drop(request_id)
             raise TierUnavailableError(f"{self.address}: {type(error).__name__}") from None
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # this request was cancelled (its client left)
+            # The stream was cancelled under us (its replica left the pool and its client closed): a lost replica.
+            self.drop(request_id)
+            raise TierUnavailableError(f"{self.address}: stream closed") from None
         if reply is grpc.aio.EOF:
             code, details = await call.code(), await call.details()
             self.drop(request_id)
@@ -73,6 +79,10 @@ async def _unary(address: str, call, message, timeout_s: float):
         return await call(message, timeout=timeout_s)
     except grpc.aio.AioRpcError as error:
         raise error_from_rpc(error, address) from None
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():
+            raise
+        raise TierUnavailableError(f"{address}: channel closed") from None  # its replica left the pool
 
 
 class GrpcVerifier:
@@ -94,6 +104,10 @@ class GrpcVerifier:
                                feature_dtype=self.feature_dtype, traceparent=traceparent)
         reply = await self._streams.exchange(request_id, msg)
         return Verified(codec.outcome_from_pb(reply), reply.committed)
+
+    def forget(self, request_id) -> None:
+        """Cancel the request's stream without waiting on this replica (it is presumed lost)."""
+        self._streams.drop(request_id)
 
     async def release(self, request_id) -> None:
         self._streams.drop(request_id)
@@ -130,6 +144,10 @@ class GrpcDrafter:
                               features=codec.tensor_to_pb(features), gamma=gamma, traceparent=traceparent)
         reply = await self._streams.exchange(request_id, msg)
         return codec.block_from_pb(reply.block)
+
+    def forget(self, request_id) -> None:
+        """Cancel the request's stream without waiting on this replica (it is presumed lost)."""
+        self._streams.drop(request_id)
 
     async def release(self, request_id) -> None:
         self._streams.drop(request_id)

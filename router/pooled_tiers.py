@@ -47,6 +47,13 @@ class _Pooled:
     def __init__(self, replicas: ReplicaSet):
         self.replicas = replicas
 
+    def _lost(self, replica_id: str, client, error: Exception) -> None:
+        """Mark the replica down and cancel the streams there of every request it held: the requests move on
+        their next call, and the cancellations free their KV slots or contexts once the replica answers again
+        (a stalled replica would otherwise keep them for as long as the channel lives)."""
+        for request_id in self.replicas.fail(replica_id, error):
+            client.forget(request_id)
+
     async def release(self, request_id) -> None:
         placed = self.replicas.placed(request_id)
         self.replicas.unplace(request_id)
@@ -60,7 +67,7 @@ class PooledVerifier(_Pooled):
         try:
             return await client.prefill(request_id, prompt_ids, params, resume_ids, traceparent)
         except TierUnavailableError as error:
-            self.replicas.fail(rid, error)
+            self._lost(rid, client, error)
             raise
 
     async def verify(self, request_id, cycle, draft, traceparent) -> Verified:
@@ -72,7 +79,7 @@ class PooledVerifier(_Pooled):
             return await client.verify(request_id, cycle, draft, traceparent)
         except _LOST as error:
             if isinstance(error, TierUnavailableError):
-                self.replicas.fail(rid, error)
+                self._lost(rid, client, error)
             raise
 
 
@@ -100,7 +107,7 @@ class PooledDrafter(_Pooled):
         try:
             await client.open(request_id, context_ids, features, params, cycle, method, traceparent)
         except TierUnavailableError as error:
-            self.replicas.fail(rid, error)
+            self._lost(rid, client, error)
             raise
 
     async def draft(self, request_id, cycle, new_ids, feature_start, features, gamma, traceparent):
@@ -111,7 +118,7 @@ class PooledDrafter(_Pooled):
         try:
             return await client.draft(request_id, cycle, new_ids, feature_start, features, gamma, traceparent)
         except TierUnavailableError as error:
-            self.replicas.fail(rid, error)
+            self._lost(rid, client, error)
             raise
 
 

@@ -114,18 +114,19 @@ class ReplicaSet(Generic[Client]):
         if rid is not None and rid in self._slots:
             self._slots[rid].requests -= 1
 
-    def fail(self, replica_id: str, error: Exception) -> None:
+    def fail(self, replica_id: str, error: Exception) -> list[str]:
         """A call to this member failed: no new placements on it for `down_s`; its requests move on their
-        next call (they would fail there too)."""
+        next call (they would fail there too). → the requests unplaced, whose streams there the caller drops."""
         slot = self._slots.get(replica_id)
         if slot is None:
-            return
+            return []
         if slot.down_until <= time.monotonic():
             log.warning("%s replica %s marked down: %s", self.role, replica_id, error)
         slot.down_until = time.monotonic() + self.down_s
-        for request_id, rid in list(self._placed.items()):
-            if rid == replica_id:
-                self.unplace(request_id)
+        moved = [request_id for request_id, rid in self._placed.items() if rid == replica_id]
+        for request_id in moved:
+            self.unplace(request_id)
+        return moved
 
     def load(self) -> dict[str, int]:
         """Requests of this router per member (the placement's own view)."""

@@ -59,6 +59,9 @@ class LocalVerifier:
     async def release(self, request_id) -> None:
         await self.service.release(request_id)
 
+    def forget(self, request_id) -> None:
+        """Nothing to cut: in process there is no stream (a pool calls this when it gives up on a replica)."""
+
     async def profile(self) -> VerifierProfile:
         return self._profile
 
@@ -77,3 +80,6 @@ class LocalDrafter:
 
     async def release(self, request_id) -> None:
         await self.service.release(request_id)
+
+    def forget(self, request_id) -> None:
+        """Nothing to cut: in process there is no stream."""

@@ -60,6 +60,9 @@ class FakeClient:
     async def release(self, request_id):
         return await self._call("release", request_id)
 
+    def forget(self, request_id):
+        self.calls.append(("forget", request_id))
+
     async def profile(self):
         return await self._call("profile")
 
@@ -341,7 +344,7 @@ def test_pooled_verifier_failover_re_prefills_on_the_other_replica(clock):
         return rid, other
 
     rid, other = asyncio.run(run())
-    assert [c[0] for c in rs.client(rid).calls] == ["prefill", "verify", "verify"]
+    assert rs.client(rid).calls == [("prefill", "r"), ("verify", "r", 1), ("verify", "r", 2), ("forget", "r")]
     assert [c[0] for c in rs.client(other).calls] == ["prefill", "verify"]
 
 
@@ -521,6 +524,34 @@ def test_pools_refresh_closes_stale_clients_and_survives_discovery_errors():
         with pytest.raises(asyncio.CancelledError):
             await task
         assert pools.verifiers.members() == [Member("v1", "v1:1")] and discovery.calls >= 2
+
+    asyncio.run(run())
+
+
+def test_a_lost_replica_has_the_streams_of_all_its_requests_cancelled():
+    """One failed call marks the replica down and forgets every request it held there (their streams are
+    cancelled, so the replica frees them even if it was only stalled); the requests move on their next call."""
+    pools, _ = _pools(StaticDiscovery(["v1:1", "v2:1"], ["d1:1", "d2:1"]))
+
+    async def run():
+        await pools.refresh()
+        for r in ("r0", "r1", "r2", "r3"):
+            await pools.verifier.prefill(r, [1], None, [], "")
+            await pools.drafter.open(r, [1], None, None, 0, "dspark", "")
+        victim, client = pools.verifiers.placed("r0")
+        held = sorted(r for r in ("r0", "r1", "r2", "r3") if pools.verifiers.placed(r)[0] == victim)
+        client.fail_with = TierUnavailableError("stalled")
+        with pytest.raises(TierUnavailableError):
+            await pools.verifier.verify("r0", 1, None, "")
+        assert sorted(c[1] for c in client.calls if c[0] == "forget") == held
+        assert all(pools.verifiers.placed(r) is None for r in held)
+        moved = await pools.verifier.prefill("r0", [1], None, [], "")
+        assert moved[1] != victim  # re-prefilled on the other replica
+        d_victim, d_client = pools.drafters.placed("r1")
+        d_client.fail_with = TierUnavailableError("gone")
+        with pytest.raises(TierUnavailableError):
+            await pools.drafter.draft("r1", 1, [], 0, None, 4, "")
+        assert "r1" in [c[1] for c in d_client.calls if c[0] == "forget"]
 
     asyncio.run(run())
 
