@@ -2,13 +2,16 @@
 
 Drafters are pinned to one node and verifiers to the other through custom resources; the router
 (in this process) finds the replicas through the controller and talks gRPC to them. Under streaming
-load: pools scale up and down, a drafter and then a verifier are killed with `ray.kill`, and every
-request still completes with plain greedy's tokens. A TP = 2 replica gives TP = 1's output.
+load: pools scale up and down, a drafter's worker process is SIGKILLed (Ray restarts the actor) and a
+verifier actor is killed with `ray.kill` (the controller replaces it), and every request still completes
+with plain greedy's tokens. A TP = 2 replica gives TP = 1's output.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -164,7 +167,7 @@ def test_scaling_each_pool_up_and_down_under_load_fails_no_request(deployment, t
         ("verifier", 1, 2), ("drafter", 1, 2), ("verifier", 2, 1), ("drafter", 2, 1)]
 
 
-def test_killing_a_drafter_then_a_verifier_mid_stream_loses_no_request(deployment, tokenizer):
+def test_killing_a_drafter_process_then_a_verifier_actor_mid_stream_loses_no_request(deployment, tokenizer):
     s, controller = deployment
     ray.get(controller.scale.remote("verifier", 2))
     ray.get(controller.scale.remote("drafter", 2))
@@ -172,19 +175,25 @@ def test_killing_a_drafter_then_a_verifier_mid_stream_loses_no_request(deploymen
     asyncio.run(until(serving(controller, "drafter", 2)))
     killed = {}
 
-    def kill_busiest(pool: str, restart: bool):
-        """Kill the replica holding most requests: for good (the controller replaces it) or so that Ray restarts
-        it (max_restarts; the controller starts its server again, at a new address)."""
+    def kill_busiest(pool: str, sigkill: bool):
+        """Kill the replica holding most requests: SIGKILL its worker process (Ray restarts the actor and the
+        controller starts its server again, at a new address), or `ray.kill` it for good (the controller
+        replaces it)."""
         async def step(pools):
             await asyncio.sleep(2.0)
             load = (pools.drafters if pool == "drafter" else pools.verifiers).load()
             victim = max(load, key=load.get)
             assert load[victim] > 0  # it holds requests in flight
             before = (await controller.members.remote())[pool]
-            ray.kill(ray.get_actor(victim, namespace="dspark-test"), no_restart=not restart)
+            actor = ray.get_actor(victim, namespace="dspark-test")
+            if sigkill:
+                pid, _ = await actor.ping.remote()
+                os.kill(pid, signal.SIGKILL)
+            else:
+                ray.kill(actor, no_restart=True)
             killed[pool] = victim
-            await until(serving(controller, pool, 2, without=None if restart else victim))
-            if restart:
+            await until(serving(controller, pool, 2, without=None if sigkill else victim))
+            if sigkill:
                 await until(lambda: moved(pool, victim, before))
         return step
 
@@ -193,12 +202,23 @@ def test_killing_a_drafter_then_a_verifier_mid_stream_loses_no_request(deploymen
         old = {m["replica_id"]: m["address"] for m in before}
         return victim in now and now[victim] != old[victim]
 
-    done, router, _ = asyncio.run(serve_while(s, controller, tokenizer, [kill_busiest("drafter", restart=False),
-                                                                         kill_busiest("verifier", restart=True)]))
+    done, router, _ = asyncio.run(serve_while(s, controller, tokenizer, [kill_busiest("drafter", sigkill=True),
+                                                                         kill_busiest("verifier", sigkill=False)]))
     assert set(killed) == {"drafter", "verifier"}
     assert router.metrics.drafter_detached.labels(router.model)._value.get() > 0
     assert router.metrics.verifier_reprefills.labels(router.model)._value.get() > 0
     assert_plain_greedy(done)
+    asyncio.run(until(idle_replicas(controller), timeout_s=20))  # no KV slot or draft context left behind
+
+
+def idle_replicas(controller):
+    """Whether every replica's own load reports no request, KV slot or draft context in use."""
+    async def check() -> bool:
+        members = await controller.members.remote()
+        loads = [await ray.get_actor(m["replica_id"], namespace="dspark-test").load.remote()
+                 for pool in ("verifier", "drafter") for m in members[pool]]
+        return bool(loads) and all(ld["running"] == 0 and ld.get("kv_used", 0) == 0 for ld in loads)
+    return check
 
 
 def test_the_autoscaler_scales_verifiers_from_the_load_board(deployment, tokenizer):
