@@ -83,13 +83,15 @@ def test_redis_outage_mid_run_fails_no_request_and_scheduling_recovers(stack, re
         skipped = metrics.drafts_skipped.labels("")._value.get()
         engine_id = router.planner.engine_id
         await router.stop()
+        loads = await verifier.load(), await drafter.load()
         await verifier.close()
         await drafter.close()
-        return done, marks, trimmed, skipped, engine_id
+        return done, marks, trimmed, skipped, engine_id, loads
 
     t0 = time.monotonic()
-    done, (before, during, after), trimmed, skipped, engine_id = asyncio.run(run())
+    done, (before, during, after), trimmed, skipped, engine_id, (vload, dload) = asyncio.run(run())
     assert engine_id == stack[0].address
+    assert (vload.running, vload.kv_used, dload.contexts) == (0, 0, 0)  # the outage leaked nothing
     assert len(done) >= 2 * CLIENTS and time.monotonic() - t0 < 120
     assert [t for _, t in done] == plain_greedy([r.prompt_ids for r, _ in done], [24] * len(done))
     assert before["board"] > 0  # the board's load counted while Redis was up
