@@ -1,4 +1,5 @@
-"""What every dspark gRPC server shares: bind, `grpc.health.v1`, graceful shutdown on SIGTERM/SIGINT."""
+"""What every dspark gRPC server shares: bind (plaintext or TLS), `grpc.health.v1`, graceful shutdown on
+SIGTERM/SIGINT; and the client channel that matches it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.errors import InvalidRequestError
+from services.tls import TlsMaterial
 
 log = logging.getLogger(__name__)
 # Sized for the largest messages: prefill features of a long prompt (positions × taps × hidden × 2 bytes).
@@ -23,21 +27,25 @@ OPTIONS = [
 
 
 class GrpcServer:
-    """A grpc.aio server with health reporting for the given service names."""
+    """A grpc.aio server with health reporting for the given service names; TLS (mTLS with
+    `tls.client_auth`) when `tls` is given, else plaintext."""
 
-    def __init__(self, host: str, port: int, services: list[str]):
+    def __init__(self, host: str, port: int, services: list[str], tls: TlsMaterial | None = None):
         self.server = grpc.aio.server(options=OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.services = ["", *services]  # "" is the whole server
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        bind = f"{host}:{port}"
+        self.port = (self.server.add_insecure_port(bind) if tls is None
+                     else self.server.add_secure_port(bind, server_credentials(tls)))
         self.address = f"{host}:{self.port}"
+        self.scheme = "plaintext" if tls is None else "mTLS" if tls.client_auth else "TLS"
 
     async def start(self) -> None:
         await self.server.start()
         for name in self.services:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving %s on %s", ", ".join(self.services[1:]), self.address)
+        log.info("serving %s on %s (%s)", ", ".join(self.services[1:]), self.address, self.scheme)
 
     async def stop(self, grace_s: float = 5.0, before: Callable[[], Awaitable[None]] | None = None) -> None:
         """Report NOT_SERVING, let in-flight calls finish for `grace_s`, then stop."""
@@ -56,6 +64,19 @@ async def wait_for_signal() -> None:
     await stop.wait()
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    """A client channel to a dspark tier with matching message limits and keepalive."""
-    return grpc.aio.insecure_channel(address, options=OPTIONS)
+def server_credentials(tls: TlsMaterial) -> grpc.ServerCredentials:
+    if tls.cert is None or tls.key is None:
+        raise InvalidRequestError("tls: a gRPC server needs cert and key")
+    return grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca,
+                                       require_client_auth=tls.client_auth)
+
+
+def channel(address: str, tls: TlsMaterial | None = None) -> grpc.aio.Channel:
+    """A client channel to a dspark tier with matching message limits and keepalive; TLS when `tls` is given
+    (its cert, if any, goes to servers that ask for one: mTLS)."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=OPTIONS)
+    credentials = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
+                                               certificate_chain=tls.cert)
+    name = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+    return grpc.aio.secure_channel(address, credentials, options=OPTIONS + name)

@@ -10,7 +10,17 @@ import shutil
 import signal
 from pathlib import Path
 
-from router.serve_config import DrafterSettings, RouterSettings, ServeSettings, VerifierSettings, add_flags, load
+from router.serve_config import (
+    DrafterSettings,
+    RouterSettings,
+    ServeSettings,
+    VerifierSettings,
+    add_flags,
+    load,
+    merge,
+    nest,
+)
+from services.tls import TlsSettings, read_tls
 
 ROLES = {"verifier": VerifierSettings, "drafter": DrafterSettings, "router": RouterSettings}
 _HELP = {
@@ -35,6 +45,7 @@ def add_parsers(sub) -> None:
                      ("--redis-url", {"help": "join this load board (redis://[user:password@]host:port/db); "
                                               "default: a private redis-server on loopback when one is on PATH"})):
         serve.add_argument(flag, default=argparse.SUPPRESS, **kw)
+    add_flags(serve, TlsSettings, "tls.")  # one TLS config for every gRPC hop of the deployment
     for role, settings in ROLES.items():
         p = sub.add_parser(role, help=_HELP[role])
         p.add_argument("--config", type=Path, help="YAML whose keys are the flag names below (snake_case)")
@@ -80,6 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
             redis = RedisProcess().start()  # a private load board for this host, removed on exit
             settings.router.redis_url = redis.url
         settings.verifier.redis_url = settings.drafter.redis_url = settings.router.redis_url
+        _preflight(settings)
         controller = create(settings)
         members = ray.get(controller.start.remote())
         logging.info("pools ready: %s", {role: len(m) for role, m in members.items()})
@@ -99,6 +111,17 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _preflight(settings: ServeSettings) -> None:
+    """What would otherwise fail in every replica, over and over: unreadable TLS files (this host's copies;
+    a cluster's nodes need the same paths), a load board that refuses the URL's credentials."""
+    from services.load_board import connect_board
+
+    for role in (settings.verifier, settings.drafter, settings.router):
+        read_tls(role.tls)
+    if settings.router.redis_url:
+        connect_board(settings.router.redis_url).client.close()
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -107,6 +130,7 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
     """The file's sections, then `serve`'s flags: model and tracing go to every role, the rest to the router."""
     flags = _flags(args)
     base = load(ServeSettings, args.config, {})
+    tls = nest({k: flags.pop(k) for k in list(flags) if k.startswith("tls.")}).get("tls", {})
     ray_flags = {"address": flags.pop("address")} if "address" in flags else {}
     pool_flags = {"verifier": {}, "drafter": {}}
     pool_keys = {"verifier_replicas": ("verifier", "replicas"), "drafter_replicas": ("drafter", "replicas"),
@@ -120,8 +144,11 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
     # Replica actors serve gRPC on their Ray node's address and a free port, whatever these say.
     sections = {"verifier": {"port": 0, "host": "127.0.0.1", **common},
                 "drafter": {"port": 0, "host": "127.0.0.1", **common}, "router": {**flags, **common}}
-    merged = {name: {**getattr(base, name).model_dump(exclude_unset=True), **extra}
+    # The file's top-level tls: is already in every role section that had none; the flags change it everywhere.
+    merged = {name: merge(getattr(base, name).model_dump(exclude_unset=True), {**extra, "tls": tls} if tls else extra)
               for name, extra in sections.items()}
+    if base.tls is not None or tls:
+        merged["tls"] = merge(base.tls.model_dump(exclude_unset=True) if base.tls else {}, tls)
     merged["ray"] = {**base.ray.model_dump(exclude_unset=True), **ray_flags}
     merged["pools"] = {pool: {**getattr(base.pools, pool).model_dump(exclude_unset=True), **extra}
                        for pool, extra in pool_flags.items()}

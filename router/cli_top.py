@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from services.load_board import RedisBoard
+from services.load_board import RedisBoard, connect_board
 
 STALE_AFTER_S = 0.5
 
 
 def add_parser(sub) -> None:
     top = sub.add_parser("top", help="show the live load board (Redis)")
-    top.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    top.add_argument("--redis-url", default=os.environ.get("DSPARK_REDIS_URL", "redis://127.0.0.1:6379/0"),
+                     help="the board (default: DSPARK_REDIS_URL, which keeps a password off the command line)")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     top.add_argument("--once", action="store_true", help="print the board once and exit")
 
@@ -39,7 +41,7 @@ def board_table(board: RedisBoard) -> Table:
 
 
 def run_top(args: argparse.Namespace) -> int:
-    board = RedisBoard(args.redis_url, timeout_s=0.5)
+    board = connect_board(args.redis_url, timeout_s=0.5)
     if args.once:
         Console().print(board_table(board))
         return 0

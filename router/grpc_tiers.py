@@ -3,7 +3,8 @@
 Each request gets its own bidirectional stream, opened at its first cycle and cancelled on release, so
 the server frees the request's KV slot or draft context even if the Release call never arrives. Any
 failure of a stream drops it; the next call opens a new one (the server kept the request's state).
-Every call has a deadline: unary calls `timeout_s`, each cycle's reply `timeout_s` as well.
+Every call has a deadline: unary calls `timeout_s`, each cycle's reply `timeout_s` as well. With `tls`
+the channel is TLS (mTLS when the material says client_auth), else plaintext.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from protos.serving import channel
 from protos.status import error_from_rpc
 from router.tiers import VerifierProfile
 from services.errors import TierUnavailableError
+from services.tls import TlsMaterial
 from services.types import DraftBlock, SamplingParams
 from verifier_worker.service import Prefilled, Verified
 
@@ -86,10 +88,11 @@ async def _unary(address: str, call, message, timeout_s: float):
 
 
 class GrpcVerifier:
-    def __init__(self, address: str, timeout_s: float = 60.0, feature_dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, address: str, timeout_s: float = 60.0, feature_dtype: torch.dtype = torch.bfloat16,
+                 tls: TlsMaterial | None = None):
         self.address, self.timeout_s = address, timeout_s
         self.feature_dtype = codec.dtype_field(feature_dtype)
-        self.channel = channel(address)
+        self.channel = channel(address, tls)
         self.stub = rpc.VerifierStub(self.channel)
         self._streams = _StreamPool(address, self.stub.Verify, timeout_s)
 
@@ -127,9 +130,9 @@ class GrpcVerifier:
 
 
 class GrpcDrafter:
-    def __init__(self, address: str, timeout_s: float = 10.0):
+    def __init__(self, address: str, timeout_s: float = 10.0, tls: TlsMaterial | None = None):
         self.address, self.timeout_s = address, timeout_s
-        self.channel = channel(address)
+        self.channel = channel(address, tls)
         self.stub = rpc.DrafterStub(self.channel)
         self._streams = _StreamPool(address, self.stub.Draft, timeout_s)
 

@@ -89,31 +89,34 @@ def start_tiers(roles: list[tuple[str, BaseModel]], timeout_s: float = 120.0,
 
 
 class RedisProcess:
-    """A private redis-server on a free loopback port, no persistence (the embedded load board, tests)."""
+    """A private redis-server on a free loopback port, no persistence (the embedded load board, tests).
+    `config`: a redis.conf to start from (e.g. infra/redis/redis.conf with its ACL user); the port, the
+    loopback bind and no persistence still win over it."""
 
-    def __init__(self, port: int = 0):
+    def __init__(self, port: int = 0, config: Path | None = None):
         if port == 0:
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
                 port = sock.getsockname()[1]
-        self.port, self.process = port, None
+        self.port, self.config, self.process = port, config, None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisProcess:
-        self.process = subprocess.Popen([*_die_with_parent(), "redis-server", "--port", str(self.port),
+        config = [str(self.config)] if self.config is not None else []
+        self.process = subprocess.Popen([*_die_with_parent(), "redis-server", *config, "--port", str(self.port),
                                          "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
                                         stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.process.poll() is None:
             with socket.socket() as sock:
                 if sock.connect_ex(("127.0.0.1", self.port)) == 0:
                     return self
             time.sleep(0.05)
         self.process.kill()
-        raise TimeoutError("redis-server did not start")
+        raise TimeoutError(f"redis-server did not start (exit status {self.process.wait()})")
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 import ray
-from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -102,6 +102,9 @@ class ActorPool:
         except (TimeoutError, RayActorError) as error:
             log.error("%s pool: %s did not start (%s); replacing it", self.role, r.replica_id,
                       type(error).__name__ if isinstance(error, TimeoutError) else error)
+            self._kill(r)
+        except RayTaskError as error:  # its start raised, e.g. TLS files missing on that node: say why, once
+            log.error("%s pool: %s failed to start: %s; replacing it", self.role, r.replica_id, error.cause)
             self._kill(r)
         finally:
             r.starting = None

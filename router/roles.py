@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,10 +30,11 @@ from router.router import Router, RouterConfig
 from router.serve_config import DrafterSettings, RouterSettings, VerifierSettings
 from router.session import Speculation
 from services.errors import InvalidRequestError
-from services.load_board import BoardPublisher, RedisBoard
+from services.load_board import BoardPublisher, RedisBoard, connect_board
 from services.loader import load_model
 from services.model_config import ModelConfig
 from services.registry import list_models, resolve_model
+from services.tls import read_tls
 from services.tokenizer import TextTokenizer
 from services.tracing import setup_tracing
 from services.training.drafter_data import default_tap_layers
@@ -116,10 +118,11 @@ class RunningTier:
 async def start_verifier(s: VerifierSettings, model=None) -> RunningTier:
     """Load (or take) the target, profile SPS(B), serve dspark.v1.Verifier. `model`: e.g. a TP driver."""
     set_threads(s.threads)
+    tls, board = read_tls(s.tls), _board(s.redis_url)  # before the model loads: bad certificates or credentials
     tracer = _tracer("dspark-verifier", s)
     service = await asyncio.to_thread(verifier_service, s, model)
     sps = await asyncio.to_thread(profile_sps, service.engine.model, context=256, repeats=5) if s.profile else []
-    server = GrpcServer(s.host, s.port, ["dspark.v1.Verifier"])
+    server = GrpcServer(s.host, s.port, ["dspark.v1.Verifier"], tls)
     rpc.add_VerifierServicer_to_server(VerifierServicer(service, tracer, sps, server.address), server.server)
     await service.start()
     await server.start()
@@ -129,15 +132,16 @@ async def start_verifier(s: VerifierSettings, model=None) -> RunningTier:
         return {"running": load.running, "queued": load.waiting, "kv_used": load.kv_used, "kv_total": load.kv_total,
                 "step_ms_ema": load.step_ms_ema, "batch_tokens": load.batch_tokens}
 
-    publisher = _publisher(s.redis_url, "verifier", server, snapshot, [(p.batch_tokens, p.step_ms) for p in sps])
+    publisher = _publisher(board, "verifier", server, snapshot, [(p.batch_tokens, p.step_ms) for p in sps])
     return RunningTier(server, service.stop, publisher, snapshot)
 
 
 async def start_drafter(s: DrafterSettings) -> RunningTier:
     set_threads(s.threads)
+    tls, board = read_tls(s.tls), _board(s.redis_url)
     tracer = _tracer("dspark-drafter", s)
     service = await asyncio.to_thread(drafter_service, s)
-    server = GrpcServer(s.host, s.port, ["dspark.v1.Drafter"])
+    server = GrpcServer(s.host, s.port, ["dspark.v1.Drafter"], tls)
     rpc.add_DrafterServicer_to_server(DrafterServicer(service, tracer), server.server)
     await service.start()
     await server.start()
@@ -146,7 +150,7 @@ async def start_drafter(s: DrafterSettings) -> RunningTier:
         load = service.load()
         return {"running": load.contexts, "queued": load.queued, "step_ms_ema": load.step_ms_ema}
 
-    return RunningTier(server, service.stop, _publisher(s.redis_url, "drafter", server, snapshot, []), snapshot)
+    return RunningTier(server, service.stop, _publisher(board, "drafter", server, snapshot, []), snapshot)
 
 
 async def run_tier(start: Awaitable[RunningTier], address_file: Path | None = None) -> None:
@@ -160,11 +164,19 @@ async def run_tier(start: Awaitable[RunningTier], address_file: Path | None = No
     await tier.stop()
 
 
-def _publisher(url: str | None, role: str, server: GrpcServer, snapshot, sps) -> asyncio.Task | None:
-    """Publish this engine's load (keyed by its address) to the board at `url`, when one is configured."""
+def _board(url: str | None) -> RedisBoard | None:
+    """The load board at `url`, checked (refused credentials stop the tier here), or None without one."""
     if not url:
         return None
-    board = RedisBoard(url)
+    board = connect_board(url)
+    log.info("load board: %s", board.url)
+    return board
+
+
+def _publisher(board: RedisBoard | None, role: str, server: GrpcServer, snapshot, sps) -> asyncio.Task | None:
+    """Publish this engine's load (keyed by its address) to the board, when one is configured."""
+    if board is None:
+        return None
     if sps:
         board.publish_profile(server.address, sps)
     return asyncio.create_task(BoardPublisher(board, server.address, role, snapshot).run())
@@ -174,16 +186,18 @@ def build_router(s: RouterSettings, tracer=None, discovery: Discovery | None = N
                  with_drafter: bool | None = None) -> tuple[Router, TextTokenizer, Pools]:
     """The router over pools of verifier and drafter replicas: `discovery` (e.g. the Ray controller) or
     the fixed addresses of the settings. Start `pools.run` with the router (`router.start(pools.run)`)."""
+    tls = read_tls(s.tls)  # read once: every replica's channel uses the same material
     model_dir = resolve_model(s.model)
     tokenizer = TextTokenizer.from_dir(model_dir)
     with_drafter = bool(s.drafter) if with_drafter is None else with_drafter
     discovery = discovery or StaticDiscovery(_addresses(s.verifier), _addresses(s.drafter or ""))
-    pools = Pools(discovery, GrpcVerifier, GrpcDrafter if with_drafter else None, _close)
+    pools = Pools(discovery, partial(GrpcVerifier, tls=tls), partial(GrpcDrafter, tls=tls) if with_drafter else None,
+                  _close)
     policy = Policy(s.policy) if s.method != "none" else Policy.NONE
     config = RouterConfig(default=Speculation(s.method, policy, s.gamma), max_gamma=s.max_gamma,
                           threshold=s.threshold, max_running=s.max_running, max_queue=s.max_queue)
     name = s.served_model_name or model_dir.name
-    board = BoardView(RedisBoard(s.redis_url), s.board_stale_ms / 1000) if s.redis_url else None
+    board = BoardView(connect_board(s.redis_url), s.board_stale_ms / 1000) if s.redis_url else None
     router = Router(pools.verifier, pools.drafter, set(s.methods), config, tokenizer, tracer, model=name,
                     planner=VerifyPlanner(s.threshold, board, pools.verifier.engine_of))
     pools.metrics = router.metrics

@@ -1,7 +1,8 @@
 """Settings of the serving roles: pydantic models that reject unknown keys, read from YAML and flags.
 
 Precedence: command-line flag > `--config FILE` > defaults. Flag names are the field names in kebab
-case (`num_slots` → `--num-slots`); in `dspark serve` the file has one section per role.
+case (`num_slots` → `--num-slots`; a nested section's fields get its name first: `tls.cert` → `--tls-cert`);
+in `dspark serve` the file has one section per role, and a top-level `tls:` that every role inherits.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from services.errors import InvalidRequestError
+from services.tls import TlsSettings
 
 Traces = Literal["none", "console", "otlp"]
 
@@ -23,7 +25,18 @@ class _Settings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class VerifierSettings(_Settings):
+class _GrpcServerSettings(_Settings):
+    tls: TlsSettings | None = Field(None, description="serve gRPC over TLS (null: plaintext; keep it on loopback "
+                                    "or a private network)")
+
+    @model_validator(mode="after")
+    def _tls_identity(self) -> _GrpcServerSettings:
+        if self.tls is not None and self.tls.cert is None:
+            raise ValueError("tls: a gRPC server needs cert and key")
+        return self
+
+
+class VerifierSettings(_GrpcServerSettings):
     model: str = Field("dspark-target", description="target: shipped name or model directory")
     host: str = Field("127.0.0.1", description="bind address (loopback unless you mean otherwise)")
     port: int = Field(50051, ge=0, le=65535, description="0: any free port")
@@ -43,7 +56,7 @@ class VerifierSettings(_Settings):
     otlp_traces_endpoint: str | None = None
 
 
-class DrafterSettings(_Settings):
+class DrafterSettings(_GrpcServerSettings):
     model: str = Field("dspark-target", description="the target the drafters belong to")
     drafters: list[str] | None = Field(None, description="drafters to host; default: every shipped one of model")
     host: str = "127.0.0.1"
@@ -84,6 +97,7 @@ class RouterSettings(_Settings):
     max_running: int = Field(64, ge=1)
     max_queue: int = Field(256, ge=0)
     api_key: list[str] | None = Field(None, description="accepted API keys (or DSPARK_API_KEY)")
+    tls: TlsSettings | None = Field(None, description="TLS to the verifier and drafter replicas (null: plaintext)")
     max_model_len: int = Field(1024, ge=8)
     traces: Traces = "none"
     otlp_traces_endpoint: str | None = None
@@ -154,6 +168,8 @@ class AutoscalerSettings(_Settings):
 
 
 class ServeSettings(_Settings):
+    tls: TlsSettings | None = Field(None, description="TLS of every gRPC hop: the replicas serve with it, the "
+                                    "router connects with it (a role section's own tls: wins)")
     verifier: VerifierSettings = VerifierSettings()
     drafter: DrafterSettings = DrafterSettings()
     router: RouterSettings = RouterSettings()
@@ -161,21 +177,69 @@ class ServeSettings(_Settings):
     pools: PoolsSettings = PoolsSettings()
     autoscaler: AutoscalerSettings = AutoscalerSettings()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _tls_to_every_role(cls, data):
+        """Before the roles validate, so a server role without cert/key is refused as if it said tls: itself."""
+        if not isinstance(data, dict) or data.get("tls") is None:
+            return data
+        data = dict(data)
+        for role in ("verifier", "drafter", "router"):
+            section = data.get(role, {})
+            if isinstance(section, BaseModel):
+                section = section.model_dump(exclude_unset=True)
+            if section.get("tls") is None:
+                data[role] = {**section, "tls": data["tls"]}
+        return data
 
-def add_flags(parser: argparse.ArgumentParser, settings: type[_Settings]) -> None:
-    """One `--kebab-case` flag per field; unset flags stay out of the merge (file and defaults win)."""
+
+def _section(kind) -> type[BaseModel] | None:
+    """The model of a nested section field (`TlsSettings | None` → TlsSettings), else None."""
+    for k in (kind, *getattr(kind, "__args__", ())):
+        if isinstance(k, type) and issubclass(k, BaseModel):
+            return k
+    return None
+
+
+def add_flags(parser: argparse.ArgumentParser, settings: type[BaseModel], prefix: str = "") -> None:
+    """One `--kebab-case` flag per field (a nested section's: `--section-field`, dest `section.field`); unset
+    flags stay out of the merge (file and defaults win)."""
     for name, field in settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        kind = field.annotation
+        kind, dest = field.annotation, prefix + name
+        if (section := _section(kind)) is not None:
+            add_flags(parser, section, dest + ".")
+            continue
+        flag = "--" + dest.replace(".", "-").replace("_", "-")
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=field.description)
-        elif "list" in str(kind):
-            parser.add_argument(flag, default=argparse.SUPPRESS, help=(field.description or "") + " (comma-separated)",
-                                type=lambda s: [x for x in s.split(",") if x])
+            continue
+        kw = {"dest": dest, "metavar": dest.replace(".", "_").upper(), "default": argparse.SUPPRESS}
+        if "list" in str(kind):
+            parser.add_argument(flag, help=(field.description or "") + " (comma-separated)",
+                                type=lambda s: [x for x in s.split(",") if x], **kw)
         else:
-            parser.add_argument(flag, default=argparse.SUPPRESS, help=field.description,
-                                type=kind if kind in (int, float) else None)
+            parser.add_argument(flag, help=field.description, type=kind if kind in (int, float) else None, **kw)
+
+
+def nest(flags: dict) -> dict:
+    """Dotted flag destinations as sections: {"tls.cert": x} → {"tls": {"cert": x}}."""
+    out: dict = {}
+    for key, value in flags.items():
+        *path, last = key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
+
+
+def merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`, section by section (a flag sets one key of a file's section, not all of it)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def load(settings: type[_Settings], config: Path | None, flags: dict) -> _Settings:
@@ -187,7 +251,7 @@ def load(settings: type[_Settings], config: Path | None, flags: dict) -> _Settin
             raise InvalidRequestError(f"--config {config}: {error}") from None
         if not isinstance(raw, dict):
             raise InvalidRequestError(f"--config {config}: expected a mapping")
-    merged = {**raw, **flags}
+    merged = merge(raw, nest(flags))
     try:
         return settings.model_validate(merged)
     except ValidationError as error:

@@ -4,20 +4,27 @@ One key per engine with a TTL (`SET … PX`), carrying a publisher sequence numb
 no pub/sub, which drops messages while a reader reconnects. Readers treat an entry older than
 `stale_after_s` as saturated. Redis never sits on a request's critical path: calls have short socket
 timeouts, and after a failure a circuit breaker answers "unavailable" (None) without trying again for
-`cooldown_s`, so the router falls back to its own estimate of in-flight load. `LocalBoard` is the
-same interface in process, for the single-process embedded default and for tests of its users.
+`cooldown_s`, so the router falls back to its own estimate of in-flight load. The one exception is
+`check` at start: credentials the board refuses are a configuration error, not an outage, and stop the
+process with the URL's password masked. `LocalBoard` is the same interface in process, for the
+single-process embedded default and for tests of its users.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import redis
 
+from services.errors import InvalidRequestError
+from services.redact import redact_url
+
+log = logging.getLogger(__name__)
 PREFIX = "dspark:"
 
 
@@ -80,8 +87,12 @@ class LocalBoard:
 
 class RedisBoard:
     def __init__(self, url: str, timeout_s: float = 0.05, cooldown_s: float = 1.0):
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                           decode_responses=True)
+        self.url = redact_url(url)  # the only form of the URL kept: it goes into logs and errors
+        try:
+            self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                               decode_responses=True)
+        except ValueError as error:
+            raise InvalidRequestError(f"load board {self.url}: {error}") from None
         self.cooldown_s = cooldown_s
         self._open_until = 0.0  # circuit breaker: no calls before this monotonic time
         self.failures = 0
@@ -103,6 +114,19 @@ class RedisBoard:
         raw = self._call(lambda: self.client.get(f"{PREFIX}sps:{engine_id}"))
         return None if not raw else [(int(b), float(ms)) for b, ms in json.loads(raw)]
 
+    def check(self) -> bool:
+        """Is the board there? Refused credentials or commands raise (waiting will not mend them); a board
+        that does not answer is only logged, as serving goes on without it."""
+        try:
+            self.client.ping()
+        except (redis.AuthenticationError, redis.exceptions.NoPermissionError) as error:
+            raise InvalidRequestError(f"load board {self.url} refused dspark's credentials: {error} (check the "
+                                      "user and password in the URL, and the server's ACL)") from None
+        except (redis.RedisError, OSError) as error:
+            log.warning("load board %s does not answer (%s); serving on without it until it does", self.url, error)
+            return False
+        return True
+
     @property
     def available(self) -> bool:
         return time.monotonic() >= self._open_until
@@ -117,6 +141,17 @@ class RedisBoard:
             self.failures += 1
             self._open_until = time.monotonic() + self.cooldown_s
             return None
+
+
+def connect_board(url: str, check_timeout_s: float = 2.0, **kw) -> RedisBoard:
+    """A RedisBoard for `url` (`kw`: its timeouts), checked first with a patient timeout: the start-up check
+    must not mistake a slow network for an absent board."""
+    probe = RedisBoard(url, timeout_s=check_timeout_s)
+    try:
+        probe.check()
+    finally:
+        probe.client.close()
+    return RedisBoard(url, **kw)
 
 
 class BoardPublisher:
