@@ -13,7 +13,7 @@ import grpc
 from opentelemetry import trace
 
 from drafter_worker.service import DrafterService
-from protos import codec
+from protos import codec, validate
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.status import abort_with, status_of
@@ -30,10 +30,11 @@ class DrafterServicer(rpc.DrafterServicer):
         with self.tracer.start_as_current_span("drafter.open", context=context_from(request.traceparent),
                                                attributes={"dspark.request_id": request.request_id}):
             try:
-                features = codec.tensor_from_pb(request.features)
-                params = codec.params_from_pb(request.params)
-                n = await self.service.open(request.request_id, list(request.context_ids), features, params,
-                                            request.cycle, request.method)
+                limits = self.service.limits
+                context_ids = validate.token_ids(request.context_ids, limits.vocab_size, "context")
+                features = validate.features(request.features, limits.feature_width)
+                n = await self.service.open(validate.request_id(request.request_id), context_ids, features,
+                                            validate.params(request.params), request.cycle, request.method)
             except Exception as error:
                 await abort_with(context, error)
             method = request.method or self.service.default_method
@@ -62,9 +63,11 @@ class DrafterServicer(rpc.DrafterServicer):
     async def _draft_one(self, msg: pb.DraftRequest) -> tuple[pb.DraftReply | None, Exception | None]:
         with self.tracer.start_as_current_span("drafter.draft", context=context_from(msg.traceparent)) as span:
             try:
-                features = codec.tensor_from_pb(msg.features)
-                block = await self.service.draft(msg.request_id, msg.cycle, list(msg.new_ids), msg.feature_start,
-                                                 features, msg.gamma)
+                limits = self.service.limits
+                new_ids = validate.token_ids(msg.new_ids, limits.vocab_size, "new")
+                features = validate.features(msg.features, limits.feature_width)
+                block = await self.service.draft(msg.request_id, msg.cycle, new_ids, msg.feature_start, features,
+                                                 validate.gamma(msg.gamma))
             except Exception as error:
                 if status_of(error) is None:
                     raise

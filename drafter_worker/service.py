@@ -32,6 +32,24 @@ class DrafterLoad:
     steps: int
 
 
+@dataclass(frozen=True, slots=True)
+class DraftLimits:
+    """What the hosted draft models accept; None where no hosted proposer has a model (n-gram, test fakes)."""
+
+    vocab_size: int | None = None
+    feature_width: int | None = None  # num_taps * hidden
+    positions: int | None = None  # size of the RoPE table: every drafted position must stay below it
+
+
+def model_limits(proposers: dict[str, Proposer]) -> DraftLimits:
+    """The limits of the first proposer with a draft model: a replica's drafters share one target and its taps."""
+    for proposer in proposers.values():
+        model = getattr(proposer, "model", None)
+        if model is not None:
+            return DraftLimits(model.config.vocab_size, model.context.fc.in_features, model.config.max_context)
+    return DraftLimits()
+
+
 @dataclass(slots=True)
 class _Session:
     method: str
@@ -49,10 +67,12 @@ class _Queued:
 
 
 class DrafterService:
-    def __init__(self, proposers: dict[str, Proposer], block_sizes: dict[str, int], batch_window_s: float = 0.005):
+    def __init__(self, proposers: dict[str, Proposer], block_sizes: dict[str, int], batch_window_s: float = 0.005,
+                 limits: DraftLimits | None = None):
         if not proposers:
             raise ValueError("a drafter replica needs at least one proposer")
         self.proposers, self.block_sizes = proposers, block_sizes
+        self.limits = limits or model_limits(proposers)
         self.batch_window_s = batch_window_s
         self.default_method = next(iter(proposers))
         self._sessions: dict[str, _Session] = {}
@@ -87,6 +107,7 @@ class DrafterService:
             raise InvalidRequestError(f"method {method!r} not hosted here (hosted: {', '.join(self.proposers)})")
         if not context_ids:
             raise InvalidRequestError("context is empty")
+        self._check_length(len(context_ids))
         rows = 0 if features is None else len(features)
         if rows != len(context_ids) - 1:
             raise InvalidRequestError(f"{len(context_ids)} context tokens need {len(context_ids) - 1} feature rows, "
@@ -112,6 +133,7 @@ class DrafterService:
             session.tokens.extend(new_ids)
             session.features += 0 if features is None else len(features)
             session.cycle = cycle
+            gamma = self._room(len(session.tokens), gamma)
             if gamma <= 0:
                 return DraftBlock(tokens=[])
             item = _Queued(request_id, gamma)
@@ -131,8 +153,17 @@ class DrafterService:
         if self.stopping:
             raise TierUnavailableError("drafter is stopping")
 
-    @staticmethod
-    def _check_delta(session: _Session, new_ids, feature_start, features) -> None:
+    def _check_length(self, tokens: int) -> None:
+        """The anchor (position tokens − 1) must have a position for the first draft it predicts."""
+        if self.limits.positions is not None and tokens > self.limits.positions:
+            raise InvalidRequestError(f"context of {tokens} tokens; the drafters hold {self.limits.positions}")
+
+    def _room(self, tokens: int, gamma: int) -> int:
+        """γ cut so that every drafted position stays inside the position table (a shorter block is allowed)."""
+        return gamma if self.limits.positions is None else min(gamma, self.limits.positions - tokens + 1)
+
+    def _check_delta(self, session: _Session, new_ids, feature_start, features) -> None:
+        self._check_length(len(session.tokens) + len(new_ids))
         rows = 0 if features is None else len(features)
         if rows and feature_start != session.features:
             raise InvalidRequestError(f"features start at {feature_start}, the context has {session.features}")

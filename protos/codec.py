@@ -15,6 +15,7 @@ _WIRE = {v: k for k, v in _DTYPES.items()}
 _OUTCOMES = {OutcomeKind.BONUS: pb.OUTCOME_BONUS, OutcomeKind.RECOVERED: pb.OUTCOME_RECOVERED,
              OutcomeKind.FIRST: pb.OUTCOME_FIRST}
 _KINDS = {v: k for k, v in _OUTCOMES.items()}
+_MAX_DIMS = 8  # every tensor of the contract has two; more is a malformed message, not a bigger tensor
 
 
 def wire_dtype(value: int) -> torch.dtype:
@@ -40,15 +41,23 @@ def tensor_to_pb(x: torch.Tensor | None, dtype: torch.dtype | None = None) -> pb
 
 
 def tensor_from_pb(msg: pb.Tensor) -> torch.Tensor | None:
-    """The tensor of a Tensor message, or None when its shape is empty."""
+    """The tensor of a Tensor message, or None when it has neither shape nor data."""
     if not msg.shape:
+        if msg.data:
+            raise InvalidRequestError(f"tensor of {len(msg.data)} bytes has no shape")
         return None
-    dtype = wire_dtype(msg.dtype)
-    count = math.prod(msg.shape)
+    if len(msg.shape) > _MAX_DIMS:
+        raise InvalidRequestError(f"tensor of {len(msg.shape)} dimensions; at most {_MAX_DIMS}")
+    if msg.dtype not in _DTYPES:  # UNSPECIFIED defaults a feature_dtype field, never a tensor's own dtype
+        raise InvalidRequestError(f"unknown tensor dtype {msg.dtype}")
+    dtype, shape = _DTYPES[msg.dtype], tuple(msg.shape)
+    count = math.prod(shape)
     if len(msg.data) != count * dtype.itemsize:
-        raise InvalidRequestError(f"tensor of shape {list(msg.shape)} needs {count * dtype.itemsize} bytes, "
+        raise InvalidRequestError(f"tensor of shape {list(shape)} needs {count * dtype.itemsize} bytes, "
                                   f"got {len(msg.data)}")
-    return torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(tuple(msg.shape))
+    if count == 0:  # frombuffer refuses an empty buffer
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(shape)
 
 
 def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
@@ -76,6 +85,7 @@ def block_to_pb(block: DraftBlock | None) -> pb.DraftBlock:
 
 
 def block_from_pb(msg: pb.DraftBlock) -> DraftBlock:
+    """A structurally sound block: per-token arrays as long as the tokens, a sparse q of exactly [ℓ, K]."""
     tokens = list(msg.tokens)
     n = len(tokens)
     if msg.confidences and len(msg.confidences) != n:
@@ -83,13 +93,20 @@ def block_from_pb(msg: pb.DraftBlock) -> DraftBlock:
     if msg.peaks and len(msg.peaks) != n:
         raise InvalidRequestError(f"{len(msg.peaks)} peaks for {n} draft tokens")
     block = DraftBlock(tokens=tokens, confidences=list(msg.confidences) or None, peaks=list(msg.peaks) or None)
-    if msg.q.width and n:
-        probs = tensor_from_pb(msg.q.probs)
-        if probs is None or tuple(probs.shape) != (n, msg.q.width) or len(msg.q.token_ids) != n * msg.q.width:
-            raise InvalidRequestError(f"sparse q must be [{n}, {msg.q.width}] ids and fp32 probs")
-        block.q_ids = torch.tensor(list(msg.q.token_ids), dtype=torch.long).reshape(n, msg.q.width)
-        block.q_probs = probs.float()
+    if msg.q.ByteSize():  # an all-default q is no q: one-hot at each draft
+        block.q_ids, block.q_probs = _sparse_q(msg.q, n)
     return block
+
+
+def _sparse_q(q: pb.SparseQ, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [n, K] int64 and fp32 probs [n, K] of a non-empty SparseQ."""
+    width = q.width
+    if not n or not width or len(q.token_ids) != n * width or q.probs.dtype != pb.DTYPE_FLOAT32:
+        raise InvalidRequestError(f"sparse q must be [{n}, K >= 1] ids and fp32 probs for {n} draft tokens")
+    probs = tensor_from_pb(q.probs)
+    if probs is None or tuple(probs.shape) != (n, width):
+        raise InvalidRequestError(f"sparse q probs must be [{n}, {width}]")
+    return torch.tensor(list(q.token_ids), dtype=torch.long).reshape(n, width), probs
 
 
 def outcome_to_pb(out: StepOutput, committed: int, dtype: torch.dtype) -> pb.VerifyReply:

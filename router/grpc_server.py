@@ -7,10 +7,11 @@ import uuid
 
 import grpc
 
-from protos import codec
+from protos import validate
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.status import abort_with
+from protos.validate import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from router.router import Router
 from router.session import RouterRequest
 from services.errors import InvalidRequestError
@@ -28,10 +29,11 @@ class RouterServicer(rpc.RouterServicer):
             self.router.check_capacity()
         except Exception as error:
             await abort_with(context, error)
+        client_id = request.request_id or req.request_id
         try:
             async with contextlib.aclosing(self.router.generate(req)) as chunks:
                 async for c in chunks:
-                    yield pb.GenerateChunk(request_id=req.request_id, token_ids=c.token_ids, text=c.text,
+                    yield pb.GenerateChunk(request_id=client_id, token_ids=c.token_ids, text=c.text,
                                            finish_reason=str(c.finish_reason or ""), prompt_tokens=c.prompt_tokens,
                                            completion_tokens=c.completion_tokens, cycle=c.cycle)
         except Exception as error:
@@ -40,16 +42,25 @@ class RouterServicer(rpc.RouterServicer):
     def _request(self, msg: pb.GenerateRequest) -> RouterRequest:
         if bool(msg.prompt_ids) == bool(msg.prompt):
             raise InvalidRequestError("give exactly one of prompt_ids and prompt")
-        ids = list(msg.prompt_ids) or self.tokenizer.encode(msg.prompt)
-        if any(t >= self.tokenizer.vocab_size for t in ids):
-            raise InvalidRequestError(f"prompt token ids must lie in [0, {self.tokenizer.vocab_size})")
-        params = codec.params_from_pb(msg.params)
+        vocab = self.tokenizer.vocab_size
+        ids = validate.token_ids(msg.prompt_ids, vocab, "prompt") or self.tokenizer.encode(msg.prompt)
+        params = validate.params(msg.params)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                       f"context of {self.max_model_len} tokens")
         s = msg.speculative
         spec = {k: v for k, v in (("method", s.method), ("policy", s.policy), ("gamma", s.gamma),
                                   ("min_tokens_per_s", s.min_tokens_per_s)) if v} or None
+        if len(msg.stop) > MAX_STOP_STRINGS or not all(msg.stop):
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} non-empty stop strings")
+        if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
+        stop_ids = validate.token_ids(msg.stop_token_ids, vocab, "stop")
         eos = () if msg.ignore_eos else tuple(self.tokenizer.eos_token_ids)
-        return RouterRequest(ids, params, msg.request_id or uuid.uuid4().hex, tuple(msg.stop),
-                             (*eos, *msg.stop_token_ids), spec)
+        return RouterRequest(ids, params, _session_id(msg.request_id), tuple(msg.stop), (*eos, *stop_ids), spec)
+
+
+def _session_id(client_id: str) -> str:
+    """The id the tiers key this request's sessions by: unique even when clients reuse theirs, since a request
+    rejected as a duplicate would still release the sessions of the one it collided with."""
+    return f"{client_id}-{uuid.uuid4().hex[:8]}" if client_id else uuid.uuid4().hex

@@ -12,7 +12,7 @@ import asyncio
 import grpc
 from opentelemetry import trace
 
-from protos import codec
+from protos import codec, validate
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.status import abort_with, status_of
@@ -31,11 +31,11 @@ class VerifierServicer(rpc.VerifierServicer):
         with self.tracer.start_as_current_span("verifier.prefill", context=context_from(request.traceparent),
                                                attributes={"dspark.request_id": request.request_id,
                                                            "gen_ai.usage.input_tokens": len(request.prompt_ids)}):
-            try:
-                params = codec.params_from_pb(request.params)
-                done = await self.service.prefill(request.request_id, list(request.prompt_ids), params,
-                                                  list(request.resume_ids))
+            try:  # every check before the prefill: a rejected message must not hold a KV slot
                 dtype = codec.wire_dtype(request.feature_dtype)
+                params = validate.params(request.params)
+                done = await self.service.prefill(validate.request_id(request.request_id), list(request.prompt_ids),
+                                                  params, list(request.resume_ids))
             except Exception as error:
                 await abort_with(context, error)
             return pb.PrefillReply(request_id=request.request_id, cycle=0, emitted=done.emitted,
@@ -66,7 +66,7 @@ class VerifierServicer(rpc.VerifierServicer):
     async def _verify_one(self, msg: pb.VerifyRequest) -> tuple[pb.VerifyReply | None, Exception | None]:
         with self.tracer.start_as_current_span("verifier.verify", context=context_from(msg.traceparent)) as span:
             try:
-                block = codec.block_from_pb(msg.draft)
+                block = validate.draft_block(msg.draft, self.service.engine.model.config.vocab_size)
                 dtype = codec.wire_dtype(msg.feature_dtype)
                 done = await self.service.verify(msg.request_id, msg.cycle, block)
             except Exception as error:
