@@ -21,7 +21,7 @@ from router.cli import build_parser
 from router.cli_serve import serve_settings
 from router.launcher import RedisProcess, start_tier, start_tiers
 from router.roles import build_router, tier_health
-from router.serve_config import DrafterSettings, RouterSettings, VerifierSettings, load
+from router.serve_config import DrafterSettings, RouterSettings, ServeSettings, VerifierSettings, load
 from router.session import RouterRequest
 from services.errors import InvalidRequestError
 from services.redact import redact_url
@@ -184,6 +184,8 @@ def test_one_tls_config_reaches_every_role(pki, tmp_path):
                                       "--tls-client-auth"])
     s = serve_settings(args)
     assert s.verifier.tls == s.drafter.tls == s.router.tls == s.tls and s.tls.client_auth
+    # The controller and the replica actors get the settings as JSON: TLS survives the trip.
+    assert ServeSettings.model_validate(s.model_dump(mode="json")) == s
     config = tmp_path / "serve.yaml"
     config.write_text(f"tls: {{cert: {cert}, key: {key}, ca: {pki['ca']}}}\nrouter: {{tls: {{ca: {pki['ca']}}}}}\n")
     s = serve_settings(build_parser().parse_args(["serve", "--config", str(config), "--tls-server-name", "localhost"]))
