@@ -179,15 +179,20 @@ def permutation_chi2(a: list[str], b: list[str], rounds: int = 4000, seed: int =
     return (hits + 1) / (rounds + 1)
 
 
-def metadata(cfg: BenchConfig) -> dict:
+def host_metadata() -> dict:
+    """When, where and at which commit a run happened."""
     try:
         git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              check=False).stdout.strip()
     except OSError:
         git = ""
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": f"{platform.machine()} {platform.node()}",
-            "model": cfg.model, "dataset": cfg.workload.name, "max_tokens": cfg.max_tokens,
+            "git": git}
+
+
+def metadata(cfg: BenchConfig) -> dict:
+    return {**host_metadata(), "model": cfg.model, "dataset": cfg.workload.name, "max_tokens": cfg.max_tokens,
             "temperature": cfg.temperature, "gamma": cfg.gamma, "requests_per_cell": cfg.requests,
-            "seed": cfg.seed, "base_url": cfg.base_url, "git": git,
+            "seed": cfg.seed, "base_url": cfg.base_url,
             "slo": None if cfg.slo is None else {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms,
                                                  "e2el_ms": cfg.slo.e2el_ms}}
