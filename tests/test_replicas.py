@@ -547,7 +547,7 @@ def test_a_lost_replica_has_the_streams_of_all_its_requests_cancelled():
         assert all(pools.verifiers.placed(r) is None for r in held)
         moved = await pools.verifier.prefill("r0", [1], None, [], "")
         assert moved[1] != victim  # re-prefilled on the other replica
-        d_victim, d_client = pools.drafters.placed("r1")
+        _, d_client = pools.drafters.placed("r1")
         d_client.fail_with = TierUnavailableError("gone")
         with pytest.raises(TierUnavailableError):
             await pools.drafter.draft("r1", 1, [], 0, None, 4, "")
