@@ -91,7 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
             redis = RedisProcess().start()  # a private load board for this host, removed on exit
             settings.router.redis_url = redis.url
         settings.verifier.redis_url = settings.drafter.redis_url = settings.router.redis_url
-        _preflight(settings)
+        preflight(settings)
         controller = create(settings)
         members = ray.get(controller.start.remote())
         logging.info("pools ready: %s", {role: len(m) for role, m in members.items()})
@@ -111,7 +111,7 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _preflight(settings: ServeSettings) -> None:
+def preflight(settings: ServeSettings) -> None:
     """What would otherwise fail in every replica, over and over: unreadable TLS files (this host's copies;
     a cluster's nodes need the same paths), a load board that refuses the URL's credentials."""
     from services.load_board import connect_board

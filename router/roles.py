@@ -191,11 +191,13 @@ def build_router(s: RouterSettings, tracer=None, discovery: Discovery | None = N
     tokenizer = TextTokenizer.from_dir(model_dir)
     with_drafter = bool(s.drafter) if with_drafter is None else with_drafter
     discovery = discovery or StaticDiscovery(_addresses(s.verifier), _addresses(s.drafter or ""))
-    pools = Pools(discovery, partial(GrpcVerifier, tls=tls), partial(GrpcDrafter, tls=tls) if with_drafter else None,
-                  _close)
+    pools = Pools(discovery, partial(GrpcVerifier, timeout_s=s.verifier_timeout_s, tls=tls),
+                  partial(GrpcDrafter, timeout_s=s.drafter_timeout_s, tls=tls) if with_drafter else None, _close,
+                  down_s=s.replica_down_s)
     policy = Policy(s.policy) if s.method != "none" else Policy.NONE
     config = RouterConfig(default=Speculation(s.method, policy, s.gamma), max_gamma=s.max_gamma,
-                          threshold=s.threshold, max_running=s.max_running, max_queue=s.max_queue)
+                          threshold=s.threshold, max_running=s.max_running, max_queue=s.max_queue,
+                          verifier_retry_s=s.verifier_retry_s)
     name = s.served_model_name or model_dir.name
     board = BoardView(connect_board(s.redis_url), s.board_stale_ms / 1000) if s.redis_url else None
     router = Router(pools.verifier, pools.drafter, set(s.methods), config, tokenizer, tracer, model=name,

@@ -21,6 +21,7 @@ import ray
 from ray import serve
 
 from router import roles
+from router.cli_serve import preflight
 from router.controller import RayDiscovery, create
 from router.serve_config import ServeSettings, load
 
@@ -36,6 +37,7 @@ class DsparkDeployment:
         # The URL may hold a password: from a Secret through the environment, over the file's placeholder.
         s.router.redis_url = os.environ.get("DSPARK_REDIS_URL") or s.router.redis_url
         s.verifier.redis_url = s.drafter.redis_url = s.router.redis_url
+        preflight(s)
         self.controller = create(s)
         ray.get(self.controller.start.remote())  # the constructor runs off Serve's event loop: blocking is fine
         self._router = threading.Thread(target=asyncio.run, name="dspark-router", daemon=True,

@@ -94,8 +94,16 @@ class RouterSettings(_Settings):
                                   "this router's requests)")
     board_stale_ms: float = Field(500.0, gt=0, description="a board entry whose seq has not moved for this long "
                                   "is stale")
-    max_running: int = Field(64, ge=1)
-    max_queue: int = Field(256, ge=0)
+    max_running: int = Field(64, ge=1, description="requests in a session at once")
+    max_queue: int = Field(256, ge=0, description="requests waiting for a session; beyond it 429 + Retry-After")
+    verifier_timeout_s: float = Field(60.0, gt=0, description="deadline of each verifier call (a prefill or one "
+                                      "cycle's reply); past it the replica is lost and the request re-prefills")
+    drafter_timeout_s: float = Field(10.0, gt=0, description="deadline of each drafter call; past it the request "
+                                     "decodes plainly and reopens its context elsewhere")
+    verifier_retry_s: float = Field(30.0, gt=0, description="how long a request keeps re-prefilling while no "
+                                    "verifier replica answers before it fails with 503")
+    replica_down_s: float = Field(2.0, gt=0, description="a replica whose call failed gets no new request for "
+                                  "this long")
     api_key: list[str] | None = Field(None, description="accepted API keys (or DSPARK_API_KEY)")
     tls: TlsSettings | None = Field(None, description="TLS to the verifier and drafter replicas (null: plaintext)")
     max_model_len: int = Field(1024, ge=8)
