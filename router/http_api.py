@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP API over a `Router` (FastAPI + uvicorn + sse-starlette).
 
 Routes: /v1/completions, /v1/chat/completions (streaming or not), /v1/models, /health (503 when a
-tier is down), /metrics (Prometheus), /version. Errors are OpenAI-shaped: 400 for bad input (pydantic
-validation included, never 422), 401 for a missing or wrong API key, 429 with Retry-After when full.
-Streaming sends one SSE chunk per cycle, then `[DONE]`; errors after the 200 arrive as a data chunk.
+tier is down), /metrics (Prometheus), /version. Errors are OpenAI-shaped (`http_errors.py`): 400 for
+bad input, 401 for a missing or wrong API key, 413 for a body over the cap, 429 with Retry-After when
+full. Streaming sends one SSE chunk per cycle, then `[DONE]`; errors after the 200 arrive as a data chunk.
 """
 
 from __future__ import annotations
@@ -17,24 +17,36 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 
-from router.openai_protocol import ChatCompletionRequest, CompletionRequest, ResponseShape
+from router.http_errors import ApiError, documented, error_response, install_error_handlers, known_error
+from router.openai_protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelList,
+    ResponseShape,
+)
 from router.router import Router
 from router.session import RouterRequest
 from services.data.chat_format import render
-from services.errors import CapacityError, InvalidRequestError, TierUnavailableError
 from services.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 GUARDED = ("/v1",)  # /health, /metrics and /version stay open for probes and scrapers
+# `stream: true`: one event per cycle; OpenAPI 3.1 has the schema of an event stream describe each event.
+SSE = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"], "properties": {"event": {"type": "string"}, "data": {
+        "type": "string", "description": "a JSON chunk, a JSON error object after a failure, or [DONE] last"}}}}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,48 +54,52 @@ class ApiConfig:
     model: str
     max_model_len: int
     api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 4 * 2**20  # the largest request body read; larger ones get 413 unread
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+async def _read_capped(receive, cap: int, declared: str | None) -> list[dict] | None:
+    """The request's body messages, or None once they pass `cap` bytes (at once if Content-Length says so)."""
+    if declared is not None and declared.isdigit() and int(declared) > cap:
+        return None
+    messages, size = [], 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":  # the client left: the app sees the disconnect
+            return messages
+        size += len(message.get("body", b""))
+        if size > cap:
+            return None
+        if not message.get("more_body", False):
+            return messages
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+def _replay(messages: list[dict], receive):
+    async def replayed():
+        return messages.pop(0) if messages else await receive()  # then disconnects, which SSE listens for
+    return replayed
 
 
-def _error_response(error: Exception) -> JSONResponse:
-    if isinstance(error, ApiError):
-        return JSONResponse(error_body(error.message, error.type, error.param, error.code), error.status)
-    if isinstance(error, InvalidRequestError):
-        return JSONResponse(error_body(str(error), "BadRequestError", code="invalid_request"), 400)
-    if isinstance(error, CapacityError):
-        return JSONResponse(error_body(str(error), "RateLimitError", code="overloaded"), 429, {"Retry-After": "1"})
-    if isinstance(error, TierUnavailableError):
-        return JSONResponse(error_body(str(error), "ServiceUnavailableError"), 503, {"Retry-After": "1"})
-    return JSONResponse(error_body(f"internal error ({type(error).__name__})", "InternalServerError"), 500)
-
-
-class AuthAndRequestId:
+class Gatekeeper:
     """Pure ASGI middleware (BaseHTTPMiddleware would feed SSE a spurious disconnect): checks
-    `Authorization: Bearer KEY` on /v1 by SHA-256 digest and constant-time compare, and echoes or assigns
-    `X-Request-Id` (also the root of our internal request id)."""
+    `Authorization: Bearer KEY` on /v1 by SHA-256 digest and constant-time compare, reads the body up to
+    the cap (FastAPI would buffer it anyway), and echoes or assigns `X-Request-Id` (also the root of our
+    internal request id) on every response, errors included."""
 
-    def __init__(self, app, digests: list[bytes]):
-        self.app, self.digests = app, digests
+    def __init__(self, app, digests: list[bytes], max_body_bytes: int):
+        self.app, self.digests, self.max_body_bytes = app, digests, max_body_bytes
+
+    def _authorized(self, scope, headers: dict[str, str]) -> bool:
+        if not self.digests or not scope["path"].startswith(GUARDED) or scope["method"] == "OPTIONS":
+            return True
+        header = headers.get("authorization", "")
+        given = hashlib.sha256(header.removeprefix("Bearer ").encode()).digest()
+        return header.startswith("Bearer ") and any([secrets.compare_digest(given, d) for d in self.digests])
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.digests and scope["path"].startswith(GUARDED) and scope["method"] != "OPTIONS":
-            header = headers.get("authorization", "")
-            given = hashlib.sha256(header.removeprefix("Bearer ").encode()).digest()
-            if not header.startswith("Bearer ") or not any([secrets.compare_digest(given, d) for d in self.digests]):
-                response = JSONResponse(error_body("Unauthorized", "AuthenticationError", code="invalid_api_key"), 401)
-                return await response(scope, receive, send)
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
 
@@ -92,7 +108,72 @@ class AuthAndRequestId:
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        if not self._authorized(scope, headers):
+            return await error_response(401, "Unauthorized", code="invalid_api_key")(scope, receive, send_with_id)
+        body = await _read_capped(receive, self.max_body_bytes, headers.get("content-length"))
+        if body is None:
+            return await error_response(413, f"request body exceeds {self.max_body_bytes} bytes",
+                                        code="request_too_large")(scope, receive, send_with_id)
+        await self.app(scope, _replay(body, receive), send_with_id)
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unavailable"]
+    tiers: dict[str, bool]
+
+
+class Admission:
+    """Turns a validated body into a `RouterRequest`, or raises the 400 or 429 that says why not."""
+
+    def __init__(self, router: Router, tokenizer: TextTokenizer, config: ApiConfig):
+        self.router, self.tokenizer, self.config = router, tokenizer, config
+        # Tokenizing is slow and superlinear (a 4 MB prompt holds the event loop for a minute), so a text
+        # that cannot fit is refused by length first: no token spells more characters than the longest one
+        # (special tokens, which decode to nothing here, are short markers).
+        longest = max(len(tokenizer.decode([i])) for i in range(tokenizer.vocab_size))
+        self.max_chars = config.max_model_len * max(longest, 1)
+
+    def __call__(self, body: CompletionRequest | ChatCompletionRequest, request_id: str) -> RouterRequest:
+        if body.model != self.config.model:
+            raise ApiError(400, f"model {body.model!r} does not exist; this server serves {self.config.model!r}",
+                           "model", "model_not_found")
+        prompt_ids = self._prompt_ids(body)
+        eos = () if body.ignore_eos else tuple(self.tokenizer.eos_token_ids)
+        spec = body.speculative.model_dump(exclude_none=True) if body.speculative else None
+        req = RouterRequest(prompt_ids=prompt_ids, params=body.sampling(self._max_tokens(body, len(prompt_ids))),
+                            request_id=f"{request_id}-{uuid.uuid4().hex[:8]}",  # unique if a client reuses its id
+                            stop=body.stops(), speculative=spec,
+                            stop_token_ids=(*eos, *self._in_vocab(body.stop_token_ids or [], "stop_token_ids")))
+        self.router.speculation(spec)  # 400 now for options this deployment does not serve
+        self.router.check_capacity()
+        return req
+
+    def _prompt_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        if isinstance(body, ChatCompletionRequest):
+            return self._encode(render([m.model_dump() for m in body.messages], add_generation_prompt=True),
+                                "messages")
+        if isinstance(body.prompt, str):
+            return self._encode(body.prompt, "prompt")
+        return self._in_vocab(body.prompt, "prompt")
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        if len(text) > self.max_chars:
+            raise ApiError(400, f"the {param} cannot fit this model's maximum context length of "
+                           f"{self.config.max_model_len} tokens", param, "context_length_exceeded")
+        return self.tokenizer.encode(text)
+
+    def _in_vocab(self, ids: list[int], param: str) -> list[int]:
+        if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
+            raise ApiError(400, f"{param} must lie in [0, {self.tokenizer.vocab_size})", param, "invalid_request")
+        return list(ids)
+
+    def _max_tokens(self, body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int) -> int:
+        wanted, room = body.wanted_tokens(), self.config.max_model_len - prompt_tokens
+        if room < 1 or (wanted or 0) > room:
+            raise ApiError(400, f"this model's maximum context length is {self.config.max_model_len} tokens; the "
+                           f"request has {prompt_tokens} prompt tokens and asks for {wanted or 'at least 1'} more",
+                           "max_tokens" if room >= 1 else body.prompt_param, "context_length_exceeded")
+        return wanted or room
 
 
 def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
@@ -100,53 +181,12 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
     app = FastAPI(title="dspark", version=VERSION)
     tracer = tracer or trace.NoOpTracer()
     digests = [hashlib.sha256(k.encode()).digest() for k in config.api_keys]
+    app.add_middleware(Gatekeeper, digests=digests, max_body_bytes=config.max_body_bytes)
+    install_error_handlers(app)
+    admit = Admission(router, tokenizer, config)
 
-    app.add_middleware(AuthAndRequestId, digests=digests)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}"
-                            for e in exc.errors())
-        return JSONResponse(error_body(message, "BadRequestError", param, "invalid_request"), 400)
-
-    @app.exception_handler(Exception)
-    async def on_error(request: Request, exc: Exception):
-        return _error_response(exc)
-
-    def prepare(body: CompletionRequest | ChatCompletionRequest, request: Request) -> RouterRequest:
-        if body.model != config.model:
-            raise ApiError(400, f"model {body.model!r} does not exist; this server serves {config.model!r}",
-                           "BadRequestError", "model", "model_not_found")
-        if isinstance(body, ChatCompletionRequest):
-            prompt_ids = tokenizer.encode(render([m.model_dump() for m in body.messages], add_generation_prompt=True))
-            wanted = body.max_completion_tokens or body.max_tokens
-        elif isinstance(body.prompt, str):
-            prompt_ids, wanted = tokenizer.encode(body.prompt), body.max_tokens
-        else:
-            prompt_ids, wanted = list(body.prompt), body.max_tokens
-            if any(not 0 <= t < tokenizer.vocab_size for t in prompt_ids):
-                raise ApiError(400, f"prompt token ids must lie in [0, {tokenizer.vocab_size})", "BadRequestError",
-                               "prompt", "invalid_request")
-        room = config.max_model_len - len(prompt_ids)
-        max_tokens = wanted or room
-        if max_tokens > room:
-            raise ApiError(400, f"this model's maximum context length is {config.max_model_len} tokens; the request "
-                           f"has {len(prompt_ids)} prompt tokens and asks for {max_tokens} more", "BadRequestError",
-                           "max_tokens", "context_length_exceeded")
-        stops = () if body.ignore_eos else tuple(tokenizer.eos_token_ids)
-        spec = body.speculative.model_dump(exclude_none=True) if body.speculative else None
-        rid = f"{request.state.request_id}-{uuid.uuid4().hex[:8]}"  # unique even if a client reuses its id
-        req = RouterRequest(prompt_ids=prompt_ids, params=body.sampling(max_tokens), request_id=rid,
-                            stop=tuple(body.stop or ()), stop_token_ids=(*stops, *(body.stop_token_ids or ())),
-                            speculative=spec)
-        router.speculation(spec)  # 400 now for options this deployment does not serve
-        router.check_capacity()
-        return req
-
-    async def respond(body, request: Request, kind: str):
-        req = prepare(body, request)
+    async def respond(body: CompletionRequest | ChatCompletionRequest, request: Request, kind: str):
+        req = admit(body, request.state.request_id)
         shape = ResponseShape(kind, f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{request.state.request_id}",
                               config.model)
         op = "text_completion" if kind == "completion" else "chat"
@@ -155,16 +195,13 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
             "dspark.http_request_id": request.state.request_id})
         if body.stream:
             return EventSourceResponse(_stream(req, shape, body, span), ping=15, sep="\n")
-        try:
-            with trace.use_span(span, end_on_exit=True):
-                text, finish, completion = [], None, 0
-                async with contextlib.aclosing(router.generate(req)) as chunks:
-                    async for chunk in chunks:
-                        text.append(chunk.text)
-                        finish, completion = chunk.finish_reason or finish, chunk.completion_tokens
-                return shape.full("".join(text), str(finish), len(req.prompt_ids), completion)
-        except Exception as error:
-            return _error_response(error)
+        with trace.use_span(span, end_on_exit=True):  # errors go to http_errors' handlers
+            text, finish, completion = [], None, 0
+            async with contextlib.aclosing(router.generate(req)) as chunks:
+                async for chunk in chunks:
+                    text.append(chunk.text)
+                    finish, completion = chunk.finish_reason or finish, chunk.completion_tokens
+            return shape.full("".join(text), str(finish), len(req.prompt_ids), completion)
 
     async def _stream(req: RouterRequest, shape: ResponseShape, body, span):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -176,38 +213,40 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
                         completion = chunk.completion_tokens
                         if chunk.text or chunk.finish_reason is not None:
                             yield json.dumps(shape.chunk(chunk))
-            except (InvalidRequestError, CapacityError, TierUnavailableError) as error:
-                yield json.dumps(error_body(str(error), type(error).__name__))
-                return
             except Exception as error:
-                log.exception("request %s failed", req.request_id)
-                yield json.dumps(error_body(f"internal error ({type(error).__name__})", "InternalServerError"))
+                status, error_chunk = known_error(error)
+                if status == 500:
+                    log.exception("request %s failed", req.request_id)
+                yield json.dumps(error_chunk)
                 return
             if include_usage:
                 yield json.dumps(shape.usage_chunk(len(req.prompt_ids), completion))
             yield "[DONE]"
 
-    @app.post("/v1/completions")
+    generation_errors = documented(400, 401, 413, 429, 503)
+
+    @app.post("/v1/completions", responses={200: {"model": CompletionResponse, "content": SSE}, **generation_errors})
     async def completions(body: CompletionRequest, request: Request):
         return await respond(body, request, "completion")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              responses={200: {"model": ChatCompletionResponse, "content": SSE}, **generation_errors})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await respond(body, request, "chat")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": ModelList}, **documented(401)})
     async def models():
         card = {"id": config.model, "object": "model", "created": int(time.time()), "owned_by": "dspark",
                 "max_model_len": config.max_model_len}
         return {"object": "list", "data": [card]}
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": Health}, 503: {"model": Health, "description": "a tier is down"}})
     async def healthz():
         tiers = await health()
         return JSONResponse({"status": "ok" if all(tiers.values()) else "unavailable", "tiers": tiers},
                             200 if all(tiers.values()) else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -1,18 +1,39 @@
 """OpenAI-compatible request bodies and response shapes (completions and chat completions).
 
 Unknown fields are accepted and ignored, as vLLM does (clients send vendor extras); values we do
-support are range-checked here, and pydantic's errors become OpenAI-shaped 400s in `http_api.py`.
+support are range-checked here, in the types where the OpenAPI schema can show the bound, and
+pydantic's errors become OpenAI-shaped 400s in `http_errors.py`.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from router.session import Chunk
 from services.types import SamplingParams
+
+MAX_STOPS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256  # a stream holds back as many characters as the longest stop string, less one
+MAX_STOP_TOKEN_IDS = 64
+# The tiers refuse 0 < T < 1e-5 (logits / T overflows fp32); such a temperature means greedy, as in vLLM.
+GREEDY_BELOW = 1e-5
+
+
+def _encodable(text: str) -> str:
+    # JSON escapes can carry lone surrogates, which the tokenizer cannot take and UTF-8 cannot encode.
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (no lone surrogates)") from None
+    return text
+
+
+TokenizedText = Annotated[str, AfterValidator(_encodable)]
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
 class StreamOptions(BaseModel):
@@ -35,31 +56,31 @@ class _Common(BaseModel):
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # -1 or 0: off (vLLM uses -1)
+    top_k: int = Field(0, ge=-1, lt=2**31)  # -1 or 0: off (vLLM uses -1); the tiers carry it as uint32
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
     ignore_eos: bool = False
-    logprobs: Literal[False, None] | int = None
+    logprobs: bool | int | None = Field(None, description="not served: null or false")  # chat: bool, else int
     speculative: SpeculativeOptions | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_when_tiny(cls, v):
+        return 0.0 if v < GREEDY_BELOW else v
 
     @field_validator("logprobs")
     @classmethod
     def _no_logprobs(cls, v):
-        if v not in (None, False):
+        if v is not None and v is not False:  # identity: 0 == False, but logprobs=0 asks for the sampled token's
             raise ValueError("logprobs are not supported")
         return v
 
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("at most 4 non-empty stop strings")
-        return stops
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(0, self.top_k),
@@ -69,17 +90,85 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[int] = Field(min_length=1)
     max_tokens: int | None = Field(16, ge=1)
+    prompt_param: ClassVar[str] = "prompt"  # the field a context-length error names
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_text(cls, v):
+        return _encodable(v) if isinstance(v, str) else v  # here, not in the union: no validator in error paths
+
+    def wanted_tokens(self) -> int | None:
+        return self.max_tokens
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: TokenizedText
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    top_logprobs: int | None = Field(None, ge=0, le=0, description="not served: null or 0")
+    prompt_param: ClassVar[str] = "messages"
+
+    def wanted_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    """The documented 200 body (built as a dict by `ResponseShape`); `stream: true` answers SSE chunks instead."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatCompletionResponse(CompletionResponse):
+    object: Literal["chat.completion"]
+    choices: list[ChatChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
