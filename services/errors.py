@@ -10,7 +10,8 @@ class ModelLoadError(DsparkError):
 
 
 class InvalidRequestError(DsparkError):
-    """The request itself is wrong (bad sampling parameters, prompt too long, unknown id)."""
+    """The request itself is wrong (bad sampling parameters, prompt too long, a token id outside the vocabulary,
+    a malformed tensor or draft block). An unknown request id is a StaleCycleError."""
 
 
 class CapacityError(DsparkError):
