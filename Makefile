@@ -5,8 +5,8 @@ BIN := $(VENV)/bin
 MODEL ?= dspark-target
 PROMPT ?= def fibonacci(n):
 
-.PHONY: install serve test lint bench bench-tiers bench-policies bench-ray results-serving data data-deps test-deps drafters \
-	acceptance image clean
+.PHONY: install serve test lint bench bench-tiers bench-policies bench-ray soak bench-overload results-serving data \
+	data-deps test-deps drafters acceptance image clean
 
 $(BIN)/dspark: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,14 @@ bench-policies: $(BIN)/dspark
 # What the Ray pools cost against plain processes, scale-up and recovery times, TP = 2 against TP = 1.
 bench-ray: $(BIN)/dspark
 	$(BIN)/python benchmarks/ray_pools.py
+
+# Ten minutes of mixed load on `dspark serve` (its own): RSS per process, errors, latency drift, leaks after the load.
+soak: $(BIN)/dspark
+	$(BIN)/python benchmarks/soak.py --duration 600 --out benchmarks/results/soak-cpu.json
+
+# Peak completed throughput (closed-loop sweep), then 4x the saturating rate open loop against bounded queues. ~7 min.
+bench-overload: $(BIN)/dspark
+	$(BIN)/python benchmarks/overload.py --out benchmarks/results/overload-cpu.json
 
 # docs/results/serving.md: the SPS profile, `dspark bench` on embedded defaults (every arm, closed loop c = 1..8, then
 # open loop at 0.5..2 requests/s with the T = 1 distribution gate), then `dspark simulate` calibrated on the closed

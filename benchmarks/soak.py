@@ -30,11 +30,8 @@ import psutil
 from benchmarks.serve_bench import deployment
 from benchmarks.serve_bench.mixed import Mix, Outcome, draw, request, send
 from benchmarks.serve_bench.runner import host_metadata
-from benchmarks.serve_bench.server_metrics import scrape
 from benchmarks.serve_bench.soak_report import analyse, print_report
 from benchmarks.serve_bench.workloads import load_workload
-
-ROUTER_GAUGES = {"running": "dspark:num_requests_running", "waiting": "dspark:num_requests_waiting"}
 
 
 @dataclass(slots=True)
@@ -68,7 +65,7 @@ class Sampler:
             if proc.pid not in self._procs:
                 self._procs[proc.pid], self.labels[proc.pid] = proc, deployment.label(proc)
         sample = {"t": time.perf_counter() - self.t0, "rss_mb": deployment.rss_mb(list(self._procs.values())),
-                  "router": await router_gauges(self.http),
+                  "router": await deployment.router_gauges(self.http),
                   "tiers": deployment.busy(await self.tiers.read())}
         self.samples.append(sample)
         return sample
@@ -77,16 +74,6 @@ class Sampler:
         while True:
             await self.sample()
             await asyncio.sleep(every_s)
-
-
-async def router_gauges(http: httpx.AsyncClient) -> dict[str, float]:
-    """Requests running and waiting in the router (0 before the first request, when the gauges have no sample);
-    {"unreachable": 1} when /metrics does not answer."""
-    try:
-        flat = scrape((await http.get("/metrics", timeout=10)).raise_for_status().text)
-    except httpx.HTTPError:
-        return {"unreachable": 1.0}
-    return {name: flat.get(key, 0.0) for name, key in ROUTER_GAUGES.items()}
 
 
 async def client(http: httpx.AsyncClient, cfg: SoakConfig, index: int, prompts: list, deadline: float, t0: float,

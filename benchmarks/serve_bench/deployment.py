@@ -19,13 +19,16 @@ from unittest import mock
 from urllib.parse import urlparse
 
 import grpc
+import httpx
 import psutil
 
+from benchmarks.serve_bench.server_metrics import scrape
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import channel
 
 MB = 2**20
+ROUTER_GAUGES = {"running": "dspark:num_requests_running", "waiting": "dspark:num_requests_waiting"}
 _SCRIPTS = {"monitor.py": "ray monitor", "log_monitor.py": "ray log_monitor", "dashboard.py": "ray dashboard"}
 
 
@@ -166,3 +169,13 @@ def busy(loads: dict[str, list[dict]]) -> dict[str, int]:
             out[f"{pool}_{key}"] = sum(r.get(key, 0) for r in replicas)
         out[f"{pool}_unreachable"] = sum("error" in r for r in replicas)
     return out
+
+
+async def router_gauges(http: httpx.AsyncClient) -> dict[str, float]:
+    """Requests running and waiting in the router (0 before the first request, when the gauges have no sample);
+    {"unreachable": 1} when /metrics does not answer."""
+    try:
+        flat = scrape((await http.get("/metrics", timeout=10)).raise_for_status().text)
+    except httpx.HTTPError:
+        return {"unreachable": 1.0}
+    return {name: flat.get(key, 0.0) for name, key in ROUTER_GAUGES.items()}
