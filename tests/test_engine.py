@@ -86,17 +86,19 @@ def test_admission_control(tiny_model):
         engine.add_request("empty", [], SamplingParams())
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         engine.add_request("oov", [1, 10_000], SamplingParams(max_tokens=4))
-    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4))
-    engine.add_request("b", [1, 2, 3], SamplingParams(max_tokens=4))
+    for rid in "abc":  # one for the free slot, two for the queue
+        engine.add_request(rid, [1, 2, 3], SamplingParams(max_tokens=4))
     with pytest.raises(CapacityError, match="queue is full"):
-        engine.add_request("c", [1, 2, 3], SamplingParams(max_tokens=4))
+        engine.add_request("d", [1, 2, 3], SamplingParams(max_tokens=4))
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request("a", [1], SamplingParams(max_tokens=4))
-    engine.step()  # "a" takes the only slot; "b" waits
-    assert (engine.num_running, engine.num_waiting) == (1, 1)
+    engine.step()  # "a" takes the only slot; "b" and "c" wait
+    assert (engine.num_running, engine.num_waiting) == (1, 2)
+    with pytest.raises(CapacityError, match="queue is full"):
+        engine.add_request("d", [1, 2, 3], SamplingParams(max_tokens=4))
     engine.release("a")
     engine.step()
-    assert (engine.num_running, engine.num_waiting) == (1, 0)
+    assert (engine.num_running, engine.num_waiting) == (1, 1)
     assert engine.cache.usage().slots_used == 1
 
 

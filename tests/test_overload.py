@@ -4,7 +4,7 @@ The first is SGLang's test_request_queue_validation with our status: both bounds
 enough to overlap, exactly two served and eight refused with an OpenAI-shaped 429 and Retry-After, and nothing
 left behind. The second fills a verifier (its KV slots and its queue) behind the router's back, so the router's
 own bounds are not what refuses the request: the verifier's RESOURCE_EXHAUSTED must reach the client as a 429
-too, not as a 500. Two bugs of the verifier's bound are pinned as strict xfails (they pass once fixed).
+too, not as a 500. A released slot goes to the queued prefill at once, and a free slot admits even with no queue.
 """
 
 from __future__ import annotations
@@ -118,9 +118,6 @@ def test_a_full_verifier_is_a_429_for_the_client_not_a_500(tiers):
         assert httpx.post(url + "/v1/completions", json={**BODY, "max_tokens": 8}, timeout=60).status_code == 200
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="verifier_worker/service.py: release() frees the slot but does not wake the step loop, "
-                   "so a prefill queued for it waits for some other call (or its deadline)")
 def test_a_released_slot_goes_to_the_queued_prefill(tiers):
     async def run() -> bool:
         async with channel(tiers[0]) as ch:
@@ -136,9 +133,6 @@ def test_a_released_slot_goes_to_the_queued_prefill(tiers):
     assert asyncio.run(run())
 
 
-@pytest.mark.xfail(strict=True, raises=CapacityError,
-                   reason="verifier_worker/engine.py add_request refuses when len(waiting) >= max_waiting, counting "
-                   "a request that is about to take a free slot: max_waiting=0 refuses all")
 def test_an_engine_without_a_queue_serves_its_slot_and_refuses_beyond_it(tiny_model):
     engine = make_engine(tiny_model, num_slots=1, max_waiting=0)
     engine.add_request("first", [5, 6, 7], SamplingParams(max_tokens=8))  # a free slot: it must be admitted

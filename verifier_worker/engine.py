@@ -100,7 +100,8 @@ class Engine:
                 f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"context limit of {self.max_len} tokens"
             )
-        if len(self._waiting) >= self.config.max_waiting:
+        # Those already waiting take the free slots first; only what is left over has to queue.
+        if len(self._waiting) - self.cache.num_free_slots >= self.config.max_waiting:
             raise CapacityError(f"engine queue is full ({self.config.max_waiting} waiting)")
         generator = None
         if params.seed is not None:

@@ -46,6 +46,10 @@ class KVCache:
     def has_free_slot(self) -> bool:
         return bool(self._free)
 
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
     def allocate(self, request_id: str) -> int:
         if request_id in self._slot:
             raise InvalidRequestError(f"request {request_id!r} already holds a KV slot")

@@ -150,6 +150,7 @@ class VerifierService:
     def _drop(self, request_id: str, reason: BaseException) -> bool:
         session = self._sessions.pop(request_id, None)
         self.engine.release(request_id)
+        self._wake.set()  # a prefill queued for a slot may take this one now
         if session is not None and session.waiter is not None and not session.waiter.done():
             session.waiter.set_exception(reason)
         return session is not None
