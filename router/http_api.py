@@ -59,7 +59,7 @@ class ApiConfig:
 
 async def _read_capped(receive, cap: int, declared: str | None) -> list[dict] | None:
     """The request's body messages, or None once they pass `cap` bytes (at once if Content-Length says so)."""
-    if declared is not None and declared.isdigit() and int(declared) > cap:
+    if declared is not None and declared.isdecimal() and int(declared) > cap:
         return None
     messages, size = [], 0
     while True:
@@ -93,7 +93,7 @@ class Gatekeeper:
         if not self.digests or not scope["path"].startswith(GUARDED) or scope["method"] == "OPTIONS":
             return True
         header = headers.get("authorization", "")
-        given = hashlib.sha256(header.removeprefix("Bearer ").encode()).digest()
+        given = hashlib.sha256(header.removeprefix("Bearer ").encode("latin-1")).digest()  # the bytes as sent
         return header.startswith("Bearer ") and any([secrets.compare_digest(given, d) for d in self.digests])
 
     async def __call__(self, scope, receive, send):

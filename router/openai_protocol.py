@@ -1,7 +1,7 @@
 """OpenAI-compatible request bodies and response shapes (completions and chat completions).
 
 Unknown fields are accepted and ignored, as vLLM does (clients send vendor extras); values we do
-support are range-checked here, in the types where the OpenAPI schema can show the bound, and
+support are type- and range-checked here, in the types where the OpenAPI schema can show the bound, and
 pydantic's errors become OpenAI-shaped 400s in `http_errors.py`.
 """
 
@@ -16,7 +16,7 @@ from router.session import Chunk
 from services.types import SamplingParams
 
 MAX_STOPS = 4  # OpenAI's limit
-MAX_STOP_CHARS = 256  # a stream holds back as many characters as the longest stop string, less one
+MAX_STOP_CHARS = 256  # each cycle matches every prefix of every stop string: quadratic in its length
 MAX_STOP_TOKEN_IDS = 64
 # The tiers refuse 0 < T < 1e-5 (logits / T overflows fp32); such a temperature means greedy, as in vLLM.
 GREEDY_BELOW = 1e-5
@@ -36,11 +36,17 @@ StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """Strict types, as OpenAI's API: "8" is not an integer nor true a 1, so the schema says what is accepted."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class SpeculativeOptions(BaseModel):
+class SpeculativeOptions(_Body):
     """Per-request speculation, within what the deployment serves."""
 
     model_config = ConfigDict(extra="forbid")
@@ -51,8 +57,7 @@ class SpeculativeOptions(BaseModel):
                                            "length until its expected speed reaches this (policy dspark)")
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Common(_Body):
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -101,7 +106,7 @@ class CompletionRequest(_Common):
         return self.max_tokens
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Body):
     role: Literal["system", "user", "assistant"]
     content: TokenizedText
 

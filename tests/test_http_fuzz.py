@@ -67,9 +67,11 @@ BAD = {
     "prompt": st.just("") | st.just([]) | st.lists(st.integers(), min_size=1, max_size=4) | TEXT | JSON,
     "messages": st.just([]) | st.lists(st.fixed_dictionaries({"role": TEXT | JSON, "content": TEXT | JSON}),
                                        max_size=3) | JSON,
-    "max_tokens": st.integers(max_value=0) | st.integers(min_value=MAX_MODEL_LEN) | st.floats() | TEXT,
+    "max_tokens": st.integers(max_value=0) | st.integers(min_value=MAX_MODEL_LEN) | st.floats() | TEXT
+    | st.integers(1, SHORT).map(str) | st.just(True),  # strict types: "8" is not 8, nor true 1
     "max_completion_tokens": st.integers(max_value=0) | HUGE | JSON,
-    "temperature": st.floats() | HUGE | TEXT, "top_p": st.floats() | HUGE | TEXT, "top_k": HUGE | JSON,
+    "temperature": st.floats() | HUGE | TEXT | st.floats(0, 2).map(str), "top_p": st.floats() | HUGE | TEXT,
+    "top_k": HUGE | JSON,
     "seed": HUGE | JSON, "n": st.integers() | JSON, "logprobs": st.integers(-1, 6) | st.just(True) | JSON,
     "top_logprobs": st.integers(-1, 6) | JSON,
     "stop": st.just("") | st.text(min_size=257, max_size=300) | st.lists(st.text(max_size=3), min_size=5,
@@ -167,9 +169,12 @@ def test_arbitrary_json_bodies_are_rejected_cleanly(client, path, body):
 @FUZZ
 @given(data=st.data(), path=st.sampled_from(POSTS))
 def test_valid_shaped_bodies_with_wrong_values(client, data, path):
-    r = post_json(client, path, data.draw(shaped_bodies(path)))
+    body = data.draw(shaped_bodies(path))
+    r = post_json(client, path, body)
     check_answer(r)
     assert r.status_code in (200, 400), r.text
+    if isinstance(body.get("max_tokens"), str | bool):
+        assert r.status_code == 400
 
 
 def _truncated(body: dict) -> st.SearchStrategy[bytes]:
