@@ -100,7 +100,8 @@ class CompletionRequest(_Common):
     @field_validator("prompt")
     @classmethod
     def _prompt_text(cls, v):
-        return _encodable(v) if isinstance(v, str) else v  # here, not in the union: no validator in error paths
+        # checked here, not in the union's str member, whose error location would spell out the validator
+        return _encodable(v) if isinstance(v, str) else v
 
     def wanted_tokens(self) -> int | None:
         return self.max_tokens
