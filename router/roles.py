@@ -236,8 +236,8 @@ async def tier_health(pools: Pools) -> dict[str, bool]:
 async def run_router(s: RouterSettings, discovery: Discovery | None = None, with_drafter: bool | None = None) -> None:
     tracer = _tracer("dspark-router", s)
     router, tokenizer, pools = build_router(s, tracer, discovery, with_drafter)
-    app = build_app(router, tokenizer, ApiConfig(router.model, s.max_model_len, tuple(s.api_key or ())),
-                    lambda: tier_health(pools), tracer)
+    config = ApiConfig(router.model, s.max_model_len, tuple(s.api_key or ()), s.max_body_bytes)
+    app = build_app(router, tokenizer, config, lambda: tier_health(pools), tracer)
     server = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.port, log_level="info", access_log=False))
     grpc_server = None
     if s.grpc_port is not None:

@@ -107,6 +107,8 @@ class RouterSettings(_Settings):
     api_key: list[str] | None = Field(None, description="accepted API keys (or DSPARK_API_KEY)")
     tls: TlsSettings | None = Field(None, description="TLS to the verifier and drafter replicas (null: plaintext)")
     max_model_len: int = Field(1024, ge=8)
+    max_body_bytes: int = Field(4 * 2**20, ge=1024, description="largest HTTP request body read; larger ones get "
+                                "413 unread")
     traces: Traces = "none"
     otlp_traces_endpoint: str | None = None
 
