@@ -16,7 +16,7 @@ from drafter_worker.service import DrafterService
 from protos import codec, validate
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
-from protos.status import abort_with, status_of
+from protos.status import abort_with
 from services.tracing import context_from
 
 
@@ -69,8 +69,6 @@ class DrafterServicer(rpc.DrafterServicer):
                 block = await self.service.draft(msg.request_id, msg.cycle, new_ids, msg.feature_start, features,
                                                  validate.gamma(msg.gamma))
             except Exception as error:
-                if status_of(error) is None:
-                    raise
                 return None, error
             span.set_attributes({"dspark.request_id": msg.request_id, "dspark.cycle": msg.cycle,
                                  "dspark.gamma": msg.gamma, "dspark.drafted": len(block)})

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 from services.errors import CapacityError, InvalidRequestError, StaleCycleError, TierUnavailableError
 
+log = logging.getLogger(__name__)
 _CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -23,9 +26,11 @@ def status_of(error: Exception) -> grpc.StatusCode | None:
 
 
 async def abort_with(context: grpc.aio.ServicerContext, error: Exception) -> None:
-    """End the call with the error's status; unexpected errors become INTERNAL without internals leaked."""
+    """End the call with the error's status; unexpected errors become INTERNAL without internals leaked (the
+    traceback goes to this server's log instead)."""
     code = status_of(error)
     if code is None:
+        log.error("internal error", exc_info=error)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(error).__name__})")
     await context.abort(code, str(error))
 

@@ -22,9 +22,9 @@ MAX_STOP_STRINGS = 4  # as the OpenAI API
 MAX_STOP_TOKEN_IDS = 256
 # Below this, logits / T overflows fp32 to ±inf and sampling meets NaN (vLLM treats T < 1e-5 as greedy).
 MIN_TEMPERATURE = 1e-5
-# Features must survive every wire dtype, fp16 included (its largest finite value); hidden states of real
-# models stay far below it, and anything larger overflows a drafter's projections into NaN.
-MAX_FEATURE = 65504.0
+# Bound on |feature|: far above the largest hidden-state activations reported for real LLMs (~1e4), far
+# below what overflows the squares and sums of a drafter's norms and projections (fp32 x² overflows at 2e19).
+MAX_FEATURE = 1e6
 _SUM_TOLERANCE = 1e-3  # |Σ q − 1| allowed per sparse q row: drafters renormalise in fp32
 
 

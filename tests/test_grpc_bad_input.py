@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import OPTIONS, GrpcServer
-from protos.validate import MAX_GAMMA, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE
+from protos.validate import MAX_FEATURE, MAX_GAMMA, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE
 from router.grpc_server import RouterServicer
 from router.grpc_tiers import GrpcDrafter, GrpcVerifier
 from router.launcher import start_tiers
@@ -301,7 +301,8 @@ FEATURE_FAULTS = [  # shared by Open and Draft: only the features tensor is malf
     lambda d, m, L: _reshape(d, m.features.shape),
     lambda d, m, L: setattr(m.features, "data", d(st.sampled_from([m.features.data[:-3], m.features.data + b"\0"]))),
     lambda d, m, L: setattr(m.features, "dtype", d(BAD_ENUM | st.just(0))),
-    lambda d, m, L: _edit_floats(d, m.features, lambda d, x: _poke(d, x, d(BAD_FLOAT | st.floats(65505.0, 3e38)))),
+    lambda d, m, L: _edit_floats(d, m.features, lambda d, x: _poke(d, x, d(BAD_FLOAT | st.floats(2 * MAX_FEATURE,
+                                                                                                  3e38)))),
     lambda d, m, L: m.features.ClearField("shape"),  # bytes without a shape
     lambda d, m, L: (_set(m.features.shape, d(st.sampled_from([[0, U32], [U32, U32], [U32]]))), m.features.ClearField(
         "data")),  # absurd dimensions
