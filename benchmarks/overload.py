@@ -2,9 +2,10 @@
 
 A server with bounded queues keeps completing requests at about its peak rate however much more arrives, and turns
 the excess away at once with 429 + Retry-After instead of queueing it without end (every client then times out)
-or failing (5xx). Requests are fixed-length: random-token prompts, `ignore_eos`, `--max-tokens` 32, non-streaming,
-one `speculative` arm for all (`--arm`, default `none`: random tokens give a drafter nothing to predict, so a
-speculative arm would mostly measure wasted drafts). Clients never retry: a 429 counts as rejected.
+or failing (5xx). Requests are fixed-length: random-token prompts, `ignore_eos`, `--max-tokens` 32, non-streaming
+(`--stream`: streamed; a refusal inside the 200 stream counts as a 429 without Retry-After), one `speculative` arm
+for all (`--arm`, default `none`: random tokens give a drafter nothing to predict, so a speculative arm would
+mostly measure wasted drafts). Clients never retry: a 429 counts as rejected.
 
 1. peak: closed loop at each `--concurrency` for `--sweep-s` seconds; a closed loop offers exactly what it
    completes, so the saturating rate is the peak's completed requests/s;
@@ -51,6 +52,7 @@ class Reply:
     retry_after: bool = False
     tokens: int = 0
     detail: str = ""
+    in_stream: bool = False  # streamed: refused (or failed) after the 200, in an error event
 
 
 @dataclass(slots=True)
@@ -63,6 +65,7 @@ class OverloadConfig:
     max_tokens: int = 32
     input_len: int = 64
     arm: str = "none"
+    stream: bool = False
     model: str = "dspark-target"
     seed: int = 0
     max_running: int | None = None  # the router's bounds, when this run started the server
@@ -78,18 +81,42 @@ class Load:
 
     async def send(self, i: int, t0: float) -> Reply:
         body = {"model": self.cfg.model, "prompt": self.prompts[i % len(self.prompts)], "temperature": 0,
-                "max_tokens": self.cfg.max_tokens, "ignore_eos": True,
+                "max_tokens": self.cfg.max_tokens, "ignore_eos": True, "stream": self.cfg.stream,
                 "speculative": speculative(self.cfg.arm, 7)}
         sent = time.perf_counter() - t0
         try:
-            r = await self.http.post("/v1/completions", json=body)
-        except httpx.HTTPError as error:
-            return Reply(sent, time.perf_counter() - t0, 0, detail=f"{type(error).__name__}: {error}")
-        reply = Reply(sent, time.perf_counter() - t0, r.status_code, "retry-after" in r.headers)
+            reply = await (self._streamed(body) if self.cfg.stream else self._unary(body))
+        except (httpx.HTTPError, json.JSONDecodeError) as error:
+            reply = Reply(0, 0, 0, detail=f"{type(error).__name__}: {error}")
+        reply.sent_s, reply.done_s = sent, time.perf_counter() - t0
+        return reply
+
+    async def _unary(self, body: dict) -> Reply:
+        r = await self.http.post("/v1/completions", json=body)
+        reply = Reply(0, 0, r.status_code, "retry-after" in r.headers)
         if r.status_code == 200:
             reply.tokens = r.json()["usage"]["completion_tokens"]
         else:
             reply.detail = r.text[:200]
+        return reply
+
+    async def _streamed(self, body: dict) -> Reply:
+        """A refusal after the 200 (an error event in the stream) is a 429 without Retry-After, marked in_stream."""
+        async with self.http.stream("POST", "/v1/completions", json={
+                **body, "stream_options": {"include_usage": True}}) as r:
+            reply = Reply(0, 0, r.status_code, "retry-after" in r.headers)
+            if r.status_code != 200:
+                reply.detail = (await r.aread()).decode(errors="replace")[:200]
+                return reply
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                error = event.get("error")
+                if error:
+                    full = error.get("type") == "RateLimitError"
+                    reply.status, reply.in_stream, reply.detail = 429 if full else 500, True, str(error)[:200]
+                reply.tokens = (event.get("usage") or {}).get("completion_tokens", reply.tokens)
         return reply
 
     async def closed(self, clients: int, window_s: float) -> list[Reply]:
@@ -124,6 +151,7 @@ def summarize(replies: list[Reply], window_s: float) -> dict:
     return {"sent": len(replies), "offered_rate": len(replies) / window_s, "completed": len(ok),
             "completed_rate": len(inside) / window_s, "output_tok_s": sum(r.tokens for r in inside) / window_s,
             "rejected_429": len(rejected), "share_429": len(rejected) / len(replies) if replies else None,
+            "rejected_in_stream": sum(r.in_stream for r in rejected),
             "all_429_retry_after": all(r.retry_after for r in rejected),
             "status_5xx": sum(r.status >= 500 for r in replies),
             "transport_errors": sum(r.status == 0 for r in replies),
@@ -139,7 +167,7 @@ async def overload(cfg: OverloadConfig) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=cfg.base_url, timeout=600, limits=limits) as http:
         load = Load(http, cfg)
-        await load.closed(1, 0.0)  # one request: lazy initialisation is not the peak's business
+        await load.send(0, time.perf_counter())  # lazy initialisation is not the peak's business
         sweep = []
         for c in cfg.concurrency:
             sweep.append({"concurrency": c, **summarize(await load.closed(c, cfg.sweep_s), cfg.sweep_s)})
@@ -188,7 +216,8 @@ def print_report(results: dict) -> None:
     meta, over = results["metadata"], results["overload"]
     console.print(f"completed requests/s at overload / peak: {_f(results['throughput_ratio'], 2)} (goal ≥ {GOAL}); "
                   f"output tok/s ratio {_f(results['tok_s_ratio'], 2)}; every 429 with Retry-After: "
-                  f"{over['all_429_retry_after']}; router after: {results['after']}; bounds max_running="
+                  f"{over['all_429_retry_after']} ({over['rejected_in_stream']} refused inside a 200 stream); "
+                  f"router after: {results['after']}; bounds max_running="
                   f"{meta['max_running']} max_queue={meta['max_queue']}")
     failed = [k for k, ok in results["checks"].items() if not ok]
     console.print("[green]PASSED[/green]" if not failed else f"[red]FAILED[/red]: {', '.join(failed)}")
@@ -218,6 +247,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--input-len", type=int, default=64, help="random prompt tokens")
     p.add_argument("--arm", default="none", help="speculative arm of every request (serve_bench arms)")
+    p.add_argument("--stream", action="store_true", help="streamed requests (a refusal may then come after the 200)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/overload-cpu.json"))
     p.add_argument("--server-log", type=Path, default=Path("build/overload-server.log"))
@@ -228,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = OverloadConfig(args.base_url or "", tuple(int(c) for c in args.concurrency.split(",") if c),
                          args.sweep_s, args.factor, args.overload_s, args.max_tokens, args.input_len, args.arm,
-                         seed=args.seed)
+                         args.stream, seed=args.seed)
     with contextlib.ExitStack() as stack:
         if not args.base_url:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dspark-overload-")))

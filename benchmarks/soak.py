@@ -86,6 +86,8 @@ async def client(http: httpx.AsyncClient, cfg: SoakConfig, index: int, prompts: 
         path, body = request(shape, cfg.mix, rng.choice(prompts), seed=cfg.seed + 1000 * n + index)
         outcomes.append(await send(http, shape, path, body, t0))
         n += 1
+        if outcomes[-1].error == "transport":
+            await asyncio.sleep(1.0)  # a server that is down refuses at once: do not spin on it
 
 
 async def drain(sampler: Sampler, drain_s: float, every_s: float = 0.5) -> dict:

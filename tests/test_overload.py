@@ -2,9 +2,10 @@
 
 The first is SGLang's test_request_queue_validation with our status: both bounds 1, ten concurrent requests long
 enough to overlap, exactly two served and eight refused with an OpenAI-shaped 429 and Retry-After, and nothing
-left behind. The second fills a verifier (its KV slots and its queue) behind the router's back, so the router's
-own bounds are not what refuses the request: the verifier's RESOURCE_EXHAUSTED must reach the client as a 429
-too, not as a 500. A released slot goes to the queued prefill at once, and a free slot admits even with no queue.
+left behind. The second holds the only KV slot of a verifier without a queue behind the router's back, so the
+router's own bounds are not what refuses the request: the verifier answers RESOURCE_EXHAUSTED, and that must
+reach the client as a 429 too, not as a 500. A released slot goes to the queued prefill at once, and a free slot
+admits even with no queue.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import httpx
 import pytest
 
@@ -30,14 +32,16 @@ BODY = {"model": TARGET, "prompt": "import os\n", "max_tokens": 96, "ignore_eos"
 
 
 @pytest.fixture(scope="module")
-def tiers():
-    """Two KV slots and one queued prefill. One slot more than the router's bound of one needs: the router frees
-    its running slot before it releases the verifier's, so the next request's prefill may arrive first."""
-    verifier, drafter = start_tiers([("verifier", verifier_settings(num_slots=2, max_waiting=1)),
-                                     ("drafter", drafter_settings())])
-    yield verifier.address, drafter.address
-    verifier.stop()
-    drafter.stop()
+def tiers() -> dict[str, str]:
+    """A verifier with two KV slots and one queue place, a drafter, and a verifier with one slot and no queue.
+    The first has a slot more than a router bound of one needs: the router frees its running place before it
+    releases the verifier's slot, so the next request's prefill may arrive before the slot is free."""
+    processes = start_tiers([("verifier", verifier_settings(num_slots=2, max_waiting=1)),
+                             ("drafter", drafter_settings()),
+                             ("verifier", verifier_settings(num_slots=1, max_waiting=0))])
+    yield dict(zip(("verifier", "drafter", "no_queue"), (p.address for p in processes), strict=True))
+    for p in processes:
+        p.stop()
 
 
 def _is_429(r: httpx.Response) -> bool:
@@ -60,7 +64,8 @@ def _idle(router, timeout_s: float = 10.0) -> bool:
 
 
 def test_ten_requests_against_bounds_of_one_serve_two_and_refuse_eight(tiers):
-    settings = RouterSettings(verifier=tiers[0], drafter=tiers[1], max_running=1, max_queue=1, max_model_len=512)
+    settings = RouterSettings(verifier=tiers["verifier"], drafter=tiers["drafter"], max_running=1, max_queue=1,
+                              max_model_len=512)
     with api_server(settings) as (url, router):
         responses = asyncio.run(_burst(url, 10))
         assert sorted(r.status_code for r in responses) == [200, 200] + [429] * 8
@@ -78,57 +83,54 @@ def _prefill(rid: str) -> pb.PrefillRequest:
     return pb.PrefillRequest(request_id=rid, prompt_ids=[5, 6, 7], params=pb.SamplingParams(max_tokens=8))
 
 
-async def _fill(stub) -> asyncio.Future:
-    """Hold both slots and queue one prefill behind them (→ its pending call), once a step has found no slot for
-    it: from then on only a released slot can admit it."""
-    for rid in ("hold-0", "hold-1"):
-        await stub.Prefill(_prefill(rid), timeout=60)
-    steps = (await stub.Load(pb.LoadRequest())).steps
-    queued = asyncio.ensure_future(stub.Prefill(_prefill("queued"), timeout=60))  # a call, not a coroutine
-    while (load := await stub.Load(pb.LoadRequest())).waiting < 1 or load.steps <= steps:
-        await asyncio.sleep(0.02)
-    return queued
-
-
-async def _empty(stub, queued: asyncio.Future) -> None:
-    queued.cancel()  # the verifier frees a cancelled prefill
-    for rid in ("hold-0", "hold-1", "queued"):
+async def _release(stub, rids: list[str]) -> None:
+    for rid in rids:
         await stub.Release(pb.ReleaseRequest(request_id=rid))
     while (load := await stub.Load(pb.LoadRequest())).running or load.waiting:
         await asyncio.sleep(0.02)
 
 
-async def _ask_a_full_verifier(address: str, url: str) -> httpx.Response:
-    async with channel(address) as ch:
+async def _refusals(verifier: str, url: str) -> tuple[grpc.StatusCode, httpx.Response]:
+    """With the verifier's only slot held: what a second Prefill gets, and what the API answers a client."""
+    async with channel(verifier) as ch:
         stub = rpc.VerifierStub(ch)
-        queued = await _fill(stub)
+        await stub.Prefill(_prefill("hold"), timeout=60)
         try:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Prefill(_prefill("beyond"), timeout=60)
             async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-                return await http.post("/v1/completions", json=BODY)
+                return refused.value.code(), await http.post("/v1/completions", json=BODY)
         finally:
-            await _empty(stub, queued)
+            await _release(stub, ["hold"])
 
 
-def test_a_full_verifier_is_a_429_for_the_client_not_a_500(tiers):
-    settings = RouterSettings(verifier=tiers[0], drafter=tiers[1], max_model_len=512)
+def test_a_verifier_without_a_queue_refuses_beyond_its_slot_and_the_client_gets_a_429(tiers):
+    settings = RouterSettings(verifier=tiers["no_queue"], drafter=tiers["drafter"], max_model_len=512)
     with api_server(settings) as (url, router):
-        response = asyncio.run(_ask_a_full_verifier(tiers[0], url))
-        assert _is_429(response), (response.status_code, response.text)
+        code, response = asyncio.run(_refusals(tiers["no_queue"], url))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert _is_429(response), (response.status_code, response.text)  # the router's bounds were not full
         assert _idle(router)
         assert httpx.post(url + "/v1/completions", json={**BODY, "max_tokens": 8}, timeout=60).status_code == 200
 
 
 def test_a_released_slot_goes_to_the_queued_prefill(tiers):
     async def run() -> bool:
-        async with channel(tiers[0]) as ch:
+        async with channel(tiers["verifier"]) as ch:
             stub = rpc.VerifierStub(ch)
-            queued = await _fill(stub)
+            for rid in ("hold-0", "hold-1"):
+                await stub.Prefill(_prefill(rid), timeout=60)
+            steps = (await stub.Load(pb.LoadRequest())).steps
+            queued = asyncio.ensure_future(stub.Prefill(_prefill("queued"), timeout=60))  # a call, not a coroutine
+            while (load := await stub.Load(pb.LoadRequest())).waiting < 1 or load.steps <= steps:
+                await asyncio.sleep(0.02)  # a step has found no slot for it: only a release can admit it now
             try:
                 await stub.Release(pb.ReleaseRequest(request_id="hold-0"))
                 done, _ = await asyncio.wait([queued], timeout=5)
                 return bool(done)
             finally:
-                await _empty(stub, queued)
+                queued.cancel()  # the verifier frees a cancelled prefill
+                await _release(stub, ["hold-1", "queued"])
 
     assert asyncio.run(run())
 
