@@ -62,8 +62,9 @@ class Sampler:
 
     async def sample(self) -> dict:
         for proc in deployment.processes(self.root):  # new workers appear, e.g. a restarted replica
-            if proc.pid not in self._procs:
-                self._procs[proc.pid], self.labels[proc.pid] = proc, deployment.label(proc)
+            self._procs.setdefault(proc.pid, proc)
+            # A Ray worker is ray::IDLE until it hosts an actor; a process gone meanwhile keeps its last label.
+            self.labels[proc.pid] = deployment.label(proc) or self.labels.get(proc.pid, "?")
         sample = {"t": time.perf_counter() - self.t0, "rss_mb": deployment.rss_mb(list(self._procs.values())),
                   "router": await deployment.router_gauges(self.http),
                   "tiers": deployment.busy(await self.tiers.read())}

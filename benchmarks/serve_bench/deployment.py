@@ -29,6 +29,8 @@ from protos.serving import channel
 
 MB = 2**20
 ROUTER_GAUGES = {"running": "dspark:num_requests_running", "waiting": "dspark:num_requests_waiting"}
+# What a replica's Load reports that must drop to 0 once no request is in flight.
+LOAD_FIELDS = {"verifier": ("running", "waiting", "kv_used", "streams"), "drafter": ("contexts", "streams", "queued")}
 _SCRIPTS = {"monitor.py": "ray monitor", "log_monitor.py": "ray log_monitor", "dashboard.py": "ray dashboard"}
 
 
@@ -57,14 +59,12 @@ def server_process(base_url: str) -> psutil.Process:
     raise RuntimeError(f"no local process listens on port {port} ({base_url})")
 
 
-def label(proc: psutil.Process) -> str:
-    """ray::VerifierReplica, raylet, gcs_server, dspark serve, ray monitor, ...: what a process is."""
+def label(proc: psutil.Process) -> str | None:
+    """ray::VerifierReplica, raylet, gcs_server, dspark serve, ray monitor, ...: what a process is (None: gone)."""
     try:
-        cmd = proc.cmdline()
+        cmd = proc.cmdline() or [proc.name()]
     except psutil.Error:
-        return "?"
-    if not cmd:
-        return proc.name()
+        return None
     first = cmd[0].split()[0]  # Ray workers and redis-server rewrite their title into argv[0]
     if first.startswith("ray::"):
         return first.split(".")[0]  # a busy worker's title names the running method: ray::VerifierReplica.ping
@@ -148,9 +148,8 @@ class TierLoads:
                 reply = await stub.Load(pb.LoadRequest(), timeout=5)
             except grpc.aio.AioRpcError as error:  # an unreachable replica is a reading, not a crash
                 return {"address": address, "error": error.code().name}
-            fields = ("running", "waiting", "kv_used", "streams") if isinstance(reply, pb.LoadReply) \
-                else ("contexts", "streams", "queued")
-            return {"address": address, **{f: getattr(reply, f) for f in fields}}
+            pool = "verifier" if isinstance(reply, pb.LoadReply) else "drafter"
+            return {"address": address, **{f: getattr(reply, f) for f in LOAD_FIELDS[pool]}}
 
         return {pool: list(await asyncio.gather(*(one(a, s) for a, s in stubs))) for pool, stubs in self._stubs.items()}
 
@@ -162,10 +161,9 @@ class TierLoads:
 def busy(loads: dict[str, list[dict]]) -> dict[str, int]:
     """What should be 0 once no request is in flight: KV slots in use, queued prefills, open draft contexts,
     open streams, summed over replicas (an unreadable replica counts as busy)."""
-    keys = {"verifier": ("running", "waiting", "kv_used", "streams"), "drafter": ("contexts", "streams", "queued")}
     out = {}
     for pool, replicas in loads.items():
-        for key in keys[pool]:
+        for key in LOAD_FIELDS[pool]:
             out[f"{pool}_{key}"] = sum(r.get(key, 0) for r in replicas)
         out[f"{pool}_unreachable"] = sum("error" in r for r in replicas)
     return out
