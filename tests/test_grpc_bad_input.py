@@ -320,14 +320,15 @@ OPEN_FAULTS = [
 ]
 
 
-def base_open(d, L: Limits, rid: str | None = None, cycle: int = 0) -> pb.OpenRequest:
+def base_open(d, L: Limits, rid: str | None = None, cycle: int = 0, method: str | None = None) -> pb.OpenRequest:
     return pb.OpenRequest(request_id=rid or d(st.just("held-d") | OTHER_ID), context_ids=L.context, cycle=cycle,
-                          features=L.features, params=pb.SamplingParams(max_tokens=MAX_TOKENS))
+                          features=L.features, params=pb.SamplingParams(max_tokens=MAX_TOKENS),
+                          method=method or d(st.sampled_from(sorted(METHODS))))
 
 
-def drafts_like_a_fresh_context(drafter: Tier, lim: Limits, cycle: int) -> None:
+def drafts_like_a_fresh_context(drafter: Tier, lim: Limits, cycle: int, method: str) -> None:
     """The held context drafts exactly what a context opened now from the same tokens and features drafts."""
-    drafter.stub.Open(base_open(None, lim, "twin-d", cycle), timeout=TIMEOUT_S)
+    drafter.stub.Open(base_open(None, lim, "twin-d", cycle, method), timeout=TIMEOUT_S)
     blocks = [exchange(drafter.stub.Draft, pb.DraftRequest(request_id=rid, cycle=cycle + 1, gamma=7))[0].block
               for rid in ("held-d", "twin-d")]
     assert list(blocks[0].tokens) == list(blocks[1].tokens) and len(blocks[0].tokens) == 7
@@ -336,9 +337,9 @@ def drafts_like_a_fresh_context(drafter: Tier, lim: Limits, cycle: int) -> None:
 
 def test_malformed_opens_are_rejected_and_hold_nothing(tiers, lim):
     drafter = tiers[1]
-    drafter.stub.Open(base_open(None, lim, "held-d"), timeout=TIMEOUT_S)
+    drafter.stub.Open(base_open(None, lim, "held-d", method="eagle3"), timeout=TIMEOUT_S)  # the chain drafter
     campaign([drafter], lambda m: drafter.stub.Open(m, timeout=TIMEOUT_S), malformed(base_open, OPEN_FAULTS, lim))
-    drafts_like_a_fresh_context(drafter, lim, 0)
+    drafts_like_a_fresh_context(drafter, lim, 0, "eagle3")
 
 
 DRAFT_FAULTS = [
@@ -364,15 +365,15 @@ def base_draft(d, L: Limits) -> pb.DraftRequest:
 
 def test_malformed_draft_cycles_are_rejected_and_change_nothing(tiers, lim):
     drafter = tiers[1]
-    drafter.stub.Open(base_open(None, lim, "held-d", cycle=3), timeout=TIMEOUT_S)
+    drafter.stub.Open(base_open(None, lim, "held-d", 3, "dspark"), timeout=TIMEOUT_S)  # the block drafter
     campaign([drafter], lambda m: exchange(drafter.stub.Draft, m), malformed(base_draft, DRAFT_FAULTS, lim), 60)
-    full = base_open(None, lim, "full-d")  # a context filling the position table still drafts: a shorter block
+    full = base_open(None, lim, "full-d", 0, "dspark")  # a context filling the position table: a shorter block
     _set(full.context_ids, [1] * lim.positions)
     full.features.CopyFrom(zeros(lim.positions - 1, lim.width))
     drafter.stub.Open(full, timeout=TIMEOUT_S)
     reply, = exchange(drafter.stub.Draft, pb.DraftRequest(request_id="full-d", cycle=1, gamma=MAX_GAMMA))
     assert len(reply.block.tokens) == 1
-    drafts_like_a_fresh_context(drafter, lim, 3)
+    drafts_like_a_fresh_context(drafter, lim, 3, "dspark")
 
 
 # ---- router -----------------------------------------------------------------------------------------------
