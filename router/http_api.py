@@ -15,7 +15,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 
 from router.http_errors import ApiError, documented, error_response, install_error_handlers, known_error
+from router.http_stream import ChunkFeed
 from router.openai_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -36,7 +37,7 @@ from router.openai_protocol import (
     ResponseShape,
 )
 from router.router import Router
-from router.session import RouterRequest
+from router.session import Chunk, RouterRequest
 from services.data.chat_format import render
 from services.tokenizer import TextTokenizer
 
@@ -176,6 +177,12 @@ class Admission:
         return wanted or room
 
 
+async def _prepend(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
 def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
               health: Callable[[], Awaitable[dict[str, bool]]], tracer: trace.Tracer | None = None) -> FastAPI:
     app = FastAPI(title="dspark", version=VERSION)
@@ -194,7 +201,14 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
             "gen_ai.operation.name": op, "gen_ai.request.model": config.model, "gen_ai.request.stream": body.stream,
             "dspark.http_request_id": request.state.request_id})
         if body.stream:
-            return EventSourceResponse(_stream(req, shape, body, span), ping=15, sep="\n")
+            with trace.use_span(span):  # the feed's task inherits the span as its parent
+                feed = ChunkFeed(router.generate(req))
+            try:
+                first = await feed.first()  # refused before its first token: a status code, not a 200
+            except Exception:
+                span.end()
+                raise
+            return EventSourceResponse(_stream(req, shape, body, span, feed, first), ping=15, sep="\n")
         with trace.use_span(span, end_on_exit=True):  # errors go to http_errors' handlers
             text, finish, completion = [], None, 0
             async with contextlib.aclosing(router.generate(req)) as chunks:
@@ -203,22 +217,23 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
                     finish, completion = chunk.finish_reason or finish, chunk.completion_tokens
             return shape.full("".join(text), str(finish), len(req.prompt_ids), completion)
 
-    async def _stream(req: RouterRequest, shape: ResponseShape, body, span):
+    async def _stream(req: RouterRequest, shape: ResponseShape, body, span, feed: ChunkFeed, first):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         completion = 0
         with trace.use_span(span, end_on_exit=True):
             try:
-                async with contextlib.aclosing(router.generate(req)) as chunks:
-                    async for chunk in chunks:
-                        completion = chunk.completion_tokens
-                        if chunk.text or chunk.finish_reason is not None:
-                            yield json.dumps(shape.chunk(chunk))
+                async for chunk in _prepend(first, feed.rest()):
+                    completion = chunk.completion_tokens
+                    if chunk.text or chunk.finish_reason is not None:
+                        yield json.dumps(shape.chunk(chunk))
             except Exception as error:
                 status, error_chunk = known_error(error)
                 if status == 500:
                     log.exception("request %s failed", req.request_id)
                 yield json.dumps(error_chunk)
                 return
+            finally:
+                await feed.close()  # the client left midway: stop generating, free the tiers
             if include_usage:
                 yield json.dumps(shape.usage_chunk(len(req.prompt_ids), completion))
             yield "[DONE]"

@@ -58,7 +58,8 @@ def connect(s: RaySettings) -> bool:
     if ray_constants.ENABLE_RAY_CLUSTER:
         raise RuntimeError(f"ray was imported before {LOOPBACK_ENV}=0 was set: a local instance would listen on "
                            "the network; set it in the environment")
-    ray.init(num_cpus=s.num_cpus, namespace=s.namespace, include_dashboard=False)
+    # address="local": a new instance even when RAY_ADDRESS or another `ray start` on this host would be joined.
+    ray.init(address="local", num_cpus=s.num_cpus, namespace=s.namespace, include_dashboard=False)
     _local_address_file().write_text(ray.get_runtime_context().gcs_address)
     return True
 

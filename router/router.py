@@ -112,11 +112,13 @@ class Router:
             async for chunk in self._serve(session):
                 yield chunk
         finally:
-            self.running -= 1
-            self.metrics.running.labels(self.model).dec()
-            self.planner.leave(session.request.request_id)
-            self._slots.release()
-            await asyncio.shield(self._release(session))
+            try:  # the tiers first: the next request admitted must find this one's KV slot free
+                await asyncio.shield(self._release(session))
+            finally:
+                self.running -= 1
+                self.metrics.running.labels(self.model).dec()
+                self.planner.leave(session.request.request_id)
+                self._slots.release()
 
     async def _serve(self, s: Session) -> AsyncIterator[Chunk]:
         rid = s.request.request_id

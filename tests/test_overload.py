@@ -33,9 +33,7 @@ BODY = {"model": TARGET, "prompt": "import os\n", "max_tokens": 96, "ignore_eos"
 
 @pytest.fixture(scope="module")
 def tiers() -> dict[str, str]:
-    """A verifier with two KV slots and one queue place, a drafter, and a verifier with one slot and no queue.
-    The first has a slot more than a router bound of one needs: the router frees its running place before it
-    releases the verifier's slot, so the next request's prefill may arrive before the slot is free."""
+    """A verifier with two KV slots and one queue place, a drafter, and a verifier with one slot and no queue."""
     processes = start_tiers([("verifier", verifier_settings(num_slots=2, max_waiting=1)),
                              ("drafter", drafter_settings()),
                              ("verifier", verifier_settings(num_slots=1, max_waiting=0))])
@@ -50,10 +48,11 @@ def _is_429(r: httpx.Response) -> bool:
             and error.get("type") == "RateLimitError" and bool(error.get("message")))
 
 
-async def _burst(url: str, n: int) -> list[httpx.Response]:
+async def _burst(url: str, n: int, stream: bool) -> list[httpx.Response]:
     limits = httpx.Limits(max_connections=n)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
-        return list(await asyncio.gather(*(http.post("/v1/completions", json=BODY) for _ in range(n))))
+        return list(await asyncio.gather(*(http.post("/v1/completions", json={**BODY, "stream": stream})
+                                           for _ in range(n))))
 
 
 def _idle(router, timeout_s: float = 10.0) -> bool:
@@ -63,15 +62,22 @@ def _idle(router, timeout_s: float = 10.0) -> bool:
     return router.running == router.waiting == 0
 
 
-def test_ten_requests_against_bounds_of_one_serve_two_and_refuse_eight(tiers):
-    settings = RouterSettings(verifier=tiers["verifier"], drafter=tiers["drafter"], max_running=1, max_queue=1,
+@pytest.mark.parametrize("stream", [False, True])
+def test_ten_requests_against_bounds_of_one_serve_two_and_refuse_eight(tiers, stream):
+    """Streams too: a stream refused before its first token gets the 429 status, not a 200 and an error event.
+    The verifier has exactly the router's one slot and no queue: a request releases its KV slot before its
+    running place, so the next one admitted finds the slot free."""
+    settings = RouterSettings(verifier=tiers["no_queue"], drafter=tiers["drafter"], max_running=1, max_queue=1,
                               max_model_len=512)
     with api_server(settings) as (url, router):
-        responses = asyncio.run(_burst(url, 10))
+        responses = asyncio.run(_burst(url, 10, stream))
         assert sorted(r.status_code for r in responses) == [200, 200] + [429] * 8
         assert all(_is_429(r) for r in responses if r.status_code == 429), [r.text for r in responses]
-        served = [r.json() for r in responses if r.status_code == 200]
-        assert all(s["usage"]["completion_tokens"] == BODY["max_tokens"] for s in served)
+        served = [r for r in responses if r.status_code == 200]
+        if stream:
+            assert all(r.text.rstrip().endswith("data: [DONE]") and '{"error"' not in r.text for r in served)
+        else:
+            assert all(r.json()["usage"]["completion_tokens"] == BODY["max_tokens"] for r in served)
         assert _idle(router)
         metrics = httpx.get(url + "/metrics").text
         assert 'dspark:num_requests_running{model_name="dspark-target"} 0.0' in metrics
