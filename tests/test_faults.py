@@ -253,3 +253,44 @@ def test_losing_the_only_verifier_ends_every_request_with_a_clear_error(survivor
             _assert_nothing_leaks(url, [], [survivors[1].address])
     finally:
         verifier.stop()
+
+
+def test_a_failing_engine_step_drops_its_requests_and_the_verifier_serves_on(tokenizer):
+    """vLLM's "evil forward": the 5th engine step raises. The verifier drops that step's requests as if it had
+    been lost, its loop keeps serving, and the router re-prefills them: every output still exact, nothing held."""
+    from router.roles import verifier_service
+    from router.router import Router, RouterConfig
+    from router.session import RouterRequest
+    from router.tiers import LocalVerifier
+    from services.types import SamplingParams
+
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:3]]
+
+    async def run():
+        service = verifier_service(verifier_settings())
+        step, calls = service.engine.step, [0]
+
+        def evil_step():
+            calls[0] += 1
+            if calls[0] == 5:
+                raise RuntimeError("injected fault")
+            return step()
+
+        service.engine.step = evil_step
+        await service.start()
+        router = Router(LocalVerifier(service), None, set(), RouterConfig(), tokenizer)
+
+        async def collect(i: int) -> list[int]:
+            req = RouterRequest(prompts[i], SamplingParams(max_tokens=24), request_id=f"evil-{i}",
+                                stop_token_ids=tokenizer.eos_token_ids)
+            return [t async for chunk in router.generate(req) for t in chunk.token_ids]
+
+        outputs = await asyncio.gather(*[collect(i) for i in range(len(prompts))])
+        load = service.load()
+        await service.stop()
+        return outputs, router.metrics.verifier_reprefills.labels("")._value.get(), load, calls[0]
+
+    outputs, reprefills, load, steps = asyncio.run(run())
+    assert steps > 5 and reprefills >= 1
+    assert outputs == plain_greedy(prompts, [24] * len(prompts))
+    assert (load.running, load.waiting, load.kv_used) == (0, 0, 0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +23,8 @@ from services.batching import StepTimer, compute_thread, gather_window
 from services.errors import InvalidRequestError, StaleCycleError, TierUnavailableError
 from services.types import DraftBlock, OutcomeKind, SamplingParams, StepOutput
 from verifier_worker.engine import Engine
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -164,12 +167,24 @@ class VerifierService:
             while self.engine.has_work():
                 async with self._lock:
                     t0 = time.perf_counter()
-                    outputs = await loop.run_in_executor(self._compute, self.engine.step)
+                    try:
+                        outputs = await loop.run_in_executor(self._compute, self.engine.step)
+                    except Exception:
+                        self._fail_all()
+                        break
                     self.timer.record((time.perf_counter() - t0) * 1000)
                     for out in outputs:
                         self._deliver(out)
                 if not outputs:
                     break  # waiting requests with every slot taken by idle sessions: wait for a release
+
+    def _fail_all(self) -> None:
+        """A step raised: its batch's state is unknown, so every request here is dropped as if this replica had
+        been lost (the router re-prefills them, from its committed tokens) and the loop serves on. A dead loop
+        behind a SERVING health check would hang every later call."""
+        log.exception("verifier step failed; dropping its %d requests", len(self._sessions))
+        for rid in list(self._sessions):
+            self._drop(rid, TierUnavailableError("verifier step failed"))
 
     def _all_submitted(self) -> bool:
         """Every prefilled session has its next cycle queued."""
