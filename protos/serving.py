@@ -30,8 +30,11 @@ class GrpcServer:
     """A grpc.aio server with health reporting for the given service names; TLS (mTLS with
     `tls.client_auth`) when `tls` is given, else plaintext."""
 
-    def __init__(self, host: str, port: int, services: list[str], tls: TlsMaterial | None = None):
-        self.server = grpc.aio.server(options=OPTIONS)
+    def __init__(self, host: str, port: int, services: list[str], tls: TlsMaterial | None = None,
+                 max_receive_bytes: int = MAX_MESSAGE_BYTES):
+        options = [o for o in OPTIONS if o[0] != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", max_receive_bytes))
+        self.server = grpc.aio.server(options=options)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.services = ["", *services]  # "" is the whole server

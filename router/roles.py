@@ -241,7 +241,8 @@ async def run_router(s: RouterSettings, discovery: Discovery | None = None, with
     server = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.port, log_level="info", access_log=False))
     grpc_server = None
     if s.grpc_port is not None:
-        grpc_server = GrpcServer("127.0.0.1", s.grpc_port, ["dspark.v1.Router"])
+        # A client-facing service: its messages are prompts, capped like the HTTP API's bodies.
+        grpc_server = GrpcServer("127.0.0.1", s.grpc_port, ["dspark.v1.Router"], max_receive_bytes=s.max_body_bytes)
         rpc.add_RouterServicer_to_server(RouterServicer(router, tokenizer, s.max_model_len), grpc_server.server)
         await grpc_server.start()
     await pools.refresh()

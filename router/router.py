@@ -10,6 +10,7 @@ verifier (re-prefill from the committed tokens) without losing or changing the r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -25,7 +26,7 @@ from router.policy import Policy, max_verify_len, verify_len
 from router.session import Chunk, RouterRequest, Session, Speculation, resolve
 from router.text_stream import TextStream
 from router.tiers import DrafterTier, VerifierTier
-from services.errors import CapacityError, StaleCycleError, TierUnavailableError
+from services.errors import CapacityError, InvalidRequestError, StaleCycleError, TierUnavailableError
 from services.tokenizer import TextTokenizer
 from services.tracing import current_traceparent
 from services.types import DraftBlock
@@ -58,6 +59,7 @@ class Router:
         self.planner = planner or VerifyPlanner(self.config.threshold)
         self._slots = asyncio.Semaphore(self.config.max_running)
         self._tasks: list[asyncio.Task] = []
+        self._active: set[str] = set()  # request ids in flight
         self.waiting = self.running = 0
 
     async def start(self, *background: Callable[[], Awaitable[None]]) -> None:
@@ -97,7 +99,19 @@ class Router:
     async def generate(self, request: RouterRequest) -> AsyncIterator[Chunk]:
         """Stream the request's output, one chunk for the first token and one per cycle after it."""
         spec = self.speculation(request.speculative)
+        rid = request.request_id
+        if rid in self._active:  # its release would free the other request's KV slot and context
+            raise InvalidRequestError(f"request id {rid!r} is already in flight")
         self.check_capacity()
+        self._active.add(rid)
+        try:
+            async with contextlib.aclosing(self._admitted(request, spec)) as chunks:  # closed with this one
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self._active.discard(rid)
+
+    async def _admitted(self, request: RouterRequest, spec: Speculation) -> AsyncIterator[Chunk]:
         self.waiting += 1
         self.metrics.waiting.labels(self.model).inc()
         try:

@@ -21,7 +21,7 @@ from router.roles import drafter_service, verifier_service
 from router.router import Router, RouterConfig
 from router.session import RouterRequest, Speculation
 from router.tiers import LocalDrafter, LocalVerifier
-from services.errors import TierUnavailableError
+from services.errors import InvalidRequestError, TierUnavailableError
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
 from services.types import SamplingParams
@@ -217,6 +217,53 @@ def test_router_generate_over_grpc_streams_cycles_and_rejects_bad_input(tiers, t
     assert [t for c in chunks for t in c.token_ids] == plain_greedy([tokenizer.encode(prompt)], [24])[0]
     assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 24
     assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_router_service_refuses_an_oversize_message_and_serves_on(tiers, tokenizer):
+    """Its receive limit is the HTTP body cap, not the tiers' 256 MB: a huge prompt never reaches the tokenizer."""
+    async def run():
+        verifier, drafter = GrpcVerifier(tiers[0].address), GrpcDrafter(tiers[1].address)
+        server = GrpcServer("127.0.0.1", 0, ["dspark.v1.Router"], max_receive_bytes=64 * 1024)
+        rpc.add_RouterServicer_to_server(RouterServicer(_router(verifier, drafter, tokenizer), tokenizer, 512),
+                                         server.server)
+        await server.start()
+        async with channel(server.address) as ch:
+            stub = rpc.RouterStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stub.Generate(pb.GenerateRequest(prompt="x" * 100_000)):
+                    pass
+            chunks = [c async for c in stub.Generate(pb.GenerateRequest(prompt=PROMPTS[0],
+                                                                         params=pb.SamplingParams(max_tokens=4)))]
+        await server.stop(0)
+        await verifier.close()
+        await drafter.close()
+        return info.value.code(), chunks
+
+    code, chunks = asyncio.run(run())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert [t for c in chunks for t in c.token_ids] == plain_greedy([tokenizer.encode(PROMPTS[0])], [4])[0]
+
+
+def test_a_request_id_already_in_flight_is_refused_and_the_first_request_is_untouched(tiers, tokenizer):
+    prompt = tokenizer.encode(PROMPTS[1])
+
+    async def run():
+        verifier, drafter = GrpcVerifier(tiers[0].address), GrpcDrafter(tiers[1].address)
+        router = _router(verifier, drafter, tokenizer)
+        first = router.generate(RouterRequest(prompt, SamplingParams(max_tokens=24), request_id="same",
+                                              stop_token_ids=tokenizer.eos_token_ids))
+        tokens = list((await anext(first)).token_ids)
+        with pytest.raises(InvalidRequestError, match="already in flight"):
+            await anext(router.generate(RouterRequest(prompt, SamplingParams(max_tokens=4), request_id="same")))
+        tokens += [t async for chunk in first for t in chunk.token_ids]
+        again = await _collect(router, RouterRequest(prompt, SamplingParams(max_tokens=4), request_id="same",
+                                                     stop_token_ids=tokenizer.eos_token_ids))
+        await verifier.close()
+        await drafter.close()
+        return tokens, again
+
+    tokens, again = asyncio.run(run())
+    assert tokens == plain_greedy([prompt], [24])[0] and again == tokens[:4]  # the id is free once it finished
 
 
 def test_sigterm_drains_and_exits_cleanly():
