@@ -12,14 +12,13 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
+from protos.validate import MAX_STOP_STRINGS
+from protos.validate import MIN_TEMPERATURE as GREEDY_BELOW
 from router.session import Chunk
 from services.types import SamplingParams
 
-MAX_STOPS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256  # each cycle matches every prefix of every stop string: quadratic in its length
-MAX_STOP_TOKEN_IDS = 64
-# The tiers refuse 0 < T < 1e-5 (logits / T overflows fp32); such a temperature means greedy, as in vLLM.
-GREEDY_BELOW = 1e-5
+MAX_STOP_TOKEN_IDS = 64  # below the gRPC cap (protos.validate, 256): the HTTP API publishes 64 (docs/security.md)
 
 
 def _encodable(text: str) -> str:
@@ -63,7 +62,7 @@ class _Common(_Body):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, lt=2**31)  # -1 or 0: off (vLLM uses -1); the tiers carry it as uint32
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -75,6 +74,7 @@ class _Common(_Body):
     @field_validator("temperature")
     @classmethod
     def _greedy_when_tiny(cls, v):
+        # The tiers refuse 0 < T < MIN_TEMPERATURE (logits / T overflows fp32); here it means greedy, as in vLLM.
         return 0.0 if v < GREEDY_BELOW else v
 
     @field_validator("logprobs")
