@@ -70,6 +70,7 @@ class VerifierServicer:
 
     def Prefill(self, request, context):
         """Prefill a request and sample its first token. Holds a KV slot until Release, stream end or lease expiry.
+        INVALID_ARGUMENT for a request id already held.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -77,6 +78,8 @@ class VerifierServicer:
 
     def Verify(self, request_iterator, context):
         """One stream per request: one VerifyRequest per cycle, answered by one VerifyReply. Batched across streams.
+        FAILED_PRECONDITION for a request id not held, one with a cycle still in flight, or a cycle other than
+        the last one + 1.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -327,6 +330,7 @@ class DrafterServicer:
 
     def Draft(self, request_iterator, context):
         """One stream per request: one DraftRequest per cycle (the delta since the last one), one DraftReply.
+        FAILED_PRECONDITION for a request id with no open context, or a cycle not after the last one applied.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
