@@ -46,7 +46,9 @@ class DrafterServicer(rpc.DrafterServicer):
         self.streams += 1
         try:
             async for msg in request_iterator:
-                attached = attached or msg.request_id
+                if attached is None:
+                    attached = msg.request_id
+                    self.service.attach(attached)
                 if msg.request_id != attached:
                     release = False
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "one request per Draft stream")
@@ -57,8 +59,10 @@ class DrafterServicer(rpc.DrafterServicer):
                 yield reply
         finally:
             self.streams -= 1
-            if attached is not None and release:
-                await asyncio.shield(self.service.release(attached))
+            if attached is not None:
+                self.service.detach(attached)
+                if release:
+                    await asyncio.shield(self.service.release(attached))
 
     async def _draft_one(self, msg: pb.DraftRequest) -> tuple[pb.DraftReply | None, Exception | None]:
         with self.tracer.start_as_current_span("drafter.draft", context=context_from(msg.traceparent)) as span:

@@ -57,6 +57,8 @@ class _Session:
     params: SamplingParams
     cycle: int
     features: int  # positions with features: always len(tokens) − 1 between messages
+    streams: int = 0  # Draft streams attached (0 or 1 in practice)
+    touched: float = field(default_factory=time.monotonic)  # last open, draft or detach
 
 
 @dataclass(slots=True)
@@ -68,30 +70,30 @@ class _Queued:
 
 class DrafterService:
     def __init__(self, proposers: dict[str, Proposer], block_sizes: dict[str, int], batch_window_s: float = 0.005,
-                 limits: DraftLimits | None = None):
+                 limits: DraftLimits | None = None, lease_s: float = 60.0):
         if not proposers:
             raise ValueError("a drafter replica needs at least one proposer")
         self.proposers, self.block_sizes = proposers, block_sizes
         self.limits = limits or model_limits(proposers)
-        self.batch_window_s = batch_window_s
+        self.batch_window_s, self.lease_s = batch_window_s, lease_s
         self.default_method = next(iter(proposers))
         self._sessions: dict[str, _Session] = {}
         self._queue: list[_Queued] = []
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self.timer, self.stopping = StepTimer(), False
 
     async def start(self) -> None:
         self._compute = compute_thread()
-        self._task = asyncio.create_task(self._loop())
+        self._tasks = [asyncio.create_task(self._loop()), asyncio.create_task(self._janitor())]
 
     async def stop(self) -> None:
         self.stopping = True
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         for item in self._queue:
             if not item.done.done():
                 item.done.set_exception(TierUnavailableError("drafter is stopping"))
@@ -132,7 +134,7 @@ class DrafterService:
             self.proposers[session.method].commit(request_id, feature_start, features)
             session.tokens.extend(new_ids)
             session.features += 0 if features is None else len(features)
-            session.cycle = cycle
+            session.cycle, session.touched = cycle, time.monotonic()
             gamma = self._room(len(session.tokens), gamma)
             if gamma <= 0:
                 return DraftBlock(tokens=[])
@@ -144,6 +146,17 @@ class DrafterService:
     async def release(self, request_id: str) -> bool:
         async with self._lock:
             return self._forget(request_id)
+
+    def attach(self, request_id: str) -> None:
+        """A Draft stream now carries this context (it is no longer subject to the lease)."""
+        if request_id in self._sessions:
+            self._sessions[request_id].streams += 1
+
+    def detach(self, request_id: str) -> None:
+        session = self._sessions.get(request_id)
+        if session is not None:
+            session.streams -= 1
+            session.touched = time.monotonic()
 
     def load(self) -> DrafterLoad:
         return DrafterLoad(len(self._sessions), len(self._queue), self.timer.ema_ms, self.timer.steps)
@@ -171,6 +184,17 @@ class DrafterService:
             raise InvalidRequestError(f"after this delta {len(session.tokens) + len(new_ids)} tokens would have "
                                       f"{session.features + rows} feature rows; every position before the anchor "
                                       "needs one")
+
+    async def _janitor(self) -> None:
+        """Free contexts no stream carries for `lease_s` (their router went away between Open and Draft, or
+        between two streams), as the verifier's lease frees KV slots."""
+        while True:
+            await asyncio.sleep(self.lease_s / 4)
+            now = time.monotonic()
+            async with self._lock:
+                for rid, s in list(self._sessions.items()):
+                    if s.streams <= 0 and now - s.touched > self.lease_s:
+                        self._forget(rid)
 
     def _forget(self, request_id: str) -> bool:
         session = self._sessions.pop(request_id, None)

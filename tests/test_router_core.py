@@ -83,6 +83,27 @@ def test_threshold_policy_reads_only_the_estimates_of_the_prefix():
     assert ell(Policy.THRESHOLD, block, 2.5) == 2 and ell(Policy.THRESHOLD, block, 3.0) == 4
 
 
+def test_the_drafter_lease_frees_contexts_no_stream_carries():
+    """A context opened but never drafted on (its router went away) is freed after the lease; one a stream
+    carries is kept however long the stream idles, and gets the lease again once the stream ends."""
+    async def run():
+        service = DrafterService({"random": RandomProposer(96)}, {"random": 4}, lease_s=0.2)
+        await service.start()
+        for rid in ("orphan", "carried"):
+            await service.open(rid, [1, 2, 3], torch.zeros(2, 4), SamplingParams())
+        service.attach("carried")
+        await asyncio.sleep(0.5)
+        after_lease = sorted(service._sessions)
+        service.detach("carried")
+        await asyncio.sleep(0.5)
+        contexts = service.load().contexts
+        await service.stop()
+        return after_lease, contexts
+
+    after_lease, contexts = asyncio.run(run())
+    assert after_lease == ["carried"] and contexts == 0
+
+
 def test_drafter_service_rejects_stale_cycles_and_gaps_in_features():
     async def run():
         service = DrafterService({"random": RandomProposer(96)}, {"random": 4})
