@@ -63,7 +63,7 @@ def run_bench(args: argparse.Namespace) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         if not args.base_url:
-            cfg.base_url = stack.enter_context(_serve(args.config, args.out_dir / "server.log"))
+            cfg.base_url = stack.enter_context(serve_locally(args.config, args.out_dir / "server.log"))
         total = len(cfg.arms) * (len(loads(cfg)) * cfg.requests + cfg.dist_samples)
         with Progress() as progress:
             task = progress.add_task("dspark bench", total=total)
@@ -87,7 +87,7 @@ def _numbers(text: str, kind):
 
 
 @contextlib.contextmanager
-def _serve(config: Path | None, log: Path):
+def serve_locally(config: Path | None, log: Path):
     """`dspark serve` on a free loopback port for the run → its base URL; stopped (SIGTERM) afterwards."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

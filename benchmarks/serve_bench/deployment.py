@@ -41,12 +41,12 @@ def started(config: Path | None, log: Path) -> Iterator[str]:
     RAY_ADDRESS=local: without it a local instance is not what Ray starts when a `ray start` cluster runs on
     this host (it joins that one, and dies with it), since router/ray_local.py gives `ray.init` no address.
     """
-    from router.cli_bench import _serve
+    from router.cli_bench import serve_locally
 
     log.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         with mock.patch.dict(os.environ, {"RAY_ADDRESS": "local"}):  # the child inherits it; this process need not
-            base_url = stack.enter_context(_serve(config, log))
+            base_url = stack.enter_context(serve_locally(config, log))
         yield base_url
 
 
