@@ -12,22 +12,19 @@ import pytest
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import channel
-from router.launcher import start_tiers
 from router.serve_config import RouterSettings
 from services.data.chat_format import render
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
-from tests.tiers import TARGET, api_server, drafter_settings, plain_greedy, verifier_settings
+from tests.tiers import TARGET, api_server, plain_greedy, tier_pair
 
 KEY = "sk-test-key"
 
 
 @pytest.fixture(scope="module")
 def tiers():
-    verifier, drafter = start_tiers([("verifier", verifier_settings()), ("drafter", drafter_settings())])
-    yield verifier.address, drafter.address
-    verifier.stop()
-    drafter.stop()
+    with tier_pair() as addresses:
+        yield addresses
 
 
 @pytest.fixture(scope="module")

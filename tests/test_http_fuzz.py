@@ -22,9 +22,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from router.launcher import start_tiers
 from router.serve_config import RouterSettings
-from tests.tiers import TARGET, api_server, drafter_settings, verifier_settings
+from tests.tiers import TARGET, api_server, tier_pair
 
 KEY = "sk-fuzz"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -97,10 +96,8 @@ def shaped_bodies(draw, path: str) -> dict:
 
 @pytest.fixture(scope="module")
 def tiers():
-    verifier, drafter = start_tiers([("verifier", verifier_settings()), ("drafter", drafter_settings())])
-    yield verifier.address, drafter.address
-    verifier.stop()
-    drafter.stop()
+    with tier_pair() as addresses:
+        yield addresses
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 import uvicorn
 
 from router.http_api import ApiConfig, build_app
-from router.launcher import RedisProcess
+from router.launcher import RedisProcess, start_tiers
 from router.local import GenerationRequest, LocalRouter
 from router.roles import build_router, tier_health
 from router.serve_config import DrafterSettings, RouterSettings, VerifierSettings
@@ -43,6 +43,17 @@ def plain_greedy(prompts: list[list[int]], max_tokens: list[int]) -> list[list[i
     reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=m), stop_token_ids=tok.eos_token_ids)
             for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]
     return [r.token_ids for r in LocalRouter(engine).generate(reqs)]
+
+
+@contextmanager
+def tier_pair(**verifier_kw):
+    """A verifier and a drafter process on free loopback ports for the block's duration → their addresses."""
+    verifier, drafter = start_tiers([("verifier", verifier_settings(**verifier_kw)), ("drafter", drafter_settings())])
+    try:
+        yield verifier.address, drafter.address
+    finally:
+        verifier.stop()
+        drafter.stop()
 
 
 @contextmanager
