@@ -55,7 +55,7 @@ class VerifierLoad:
 @dataclass(slots=True)
 class _Session:
     cycle: int = 0
-    opened: float = field(default_factory=time.monotonic)
+    touched: float = field(default_factory=time.monotonic)  # prefill, last cycle or last stream's end
     streams: int = 0  # Verify streams attached (0 or 1 in practice)
     prefilled: bool = False
     features: list[torch.Tensor] = field(default_factory=list)  # prefill chunks so far
@@ -121,7 +121,7 @@ class VerifierService:
             session.waiter = asyncio.get_running_loop().create_future()
         self._wake.set()
         out: StepOutput = await session.waiter
-        session.cycle = cycle
+        session.cycle, session.touched = cycle, time.monotonic()
         return Verified(out, self.engine.num_tokens(request_id))
 
     async def release(self, request_id: str) -> bool:
@@ -134,8 +134,10 @@ class VerifierService:
             self._sessions[request_id].streams += 1
 
     def detach(self, request_id: str) -> None:
-        if request_id in self._sessions:
-            self._sessions[request_id].streams -= 1
+        session = self._sessions.get(request_id)
+        if session is not None:
+            session.streams -= 1
+            session.touched = time.monotonic()
 
     def load(self) -> VerifierLoad:
         usage = self.engine.cache.usage()
@@ -204,11 +206,12 @@ class VerifierService:
             waiter.set_result(out)
 
     async def _janitor(self) -> None:
-        """Free requests opened but never attached to a stream (their router went away)."""
+        """Free requests no stream has carried for `lease_s`: prefilled but never attached, or left between two
+        streams (their router went away). A request between a stream's end and the next is not freed early."""
         while True:
             await asyncio.sleep(self.lease_s / 4)
             now = time.monotonic()
             async with self._lock:
                 for rid, s in list(self._sessions.items()):
-                    if s.streams <= 0 and s.waiter is None and now - s.opened > self.lease_s:
+                    if s.streams <= 0 and s.waiter is None and now - s.touched > self.lease_s:
                         self._drop(rid, TierUnavailableError("lease expired"))
