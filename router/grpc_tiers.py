@@ -44,7 +44,9 @@ class _StreamPool:
         except grpc.aio.AioRpcError as error:
             self.drop(request_id)
             raise error_from_rpc(error, self.address) from None
-        except (TimeoutError, grpc.aio.UsageError, ConnectionError) as error:
+        except (TimeoutError, grpc.aio.UsageError, ConnectionError, asyncio.InvalidStateError) as error:
+            # InvalidStateError: a write on a stream that already ended (its connection was cut) but whose end
+            # no read has seen yet.
             self.drop(request_id)
             raise TierUnavailableError(f"{self.address}: {type(error).__name__}") from None
         except asyncio.CancelledError:
