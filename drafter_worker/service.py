@@ -21,6 +21,7 @@ import torch
 from drafter_worker.proposer import Proposer
 from services.batching import StepTimer, compute_thread, gather_window
 from services.errors import InvalidRequestError, StaleCycleError, TierUnavailableError
+from services.lease import Lease
 from services.types import DraftBlock, SamplingParams
 
 
@@ -57,8 +58,7 @@ class _Session:
     params: SamplingParams
     cycle: int
     features: int  # positions with features: always len(tokens) − 1 between messages
-    streams: int = 0  # Draft streams attached (0 or 1 in practice)
-    touched: float = field(default_factory=time.monotonic)  # last open, draft or detach
+    lease: Lease = field(default_factory=Lease)  # Draft streams attached; freed once none has for lease_s
 
 
 @dataclass(slots=True)
@@ -134,7 +134,8 @@ class DrafterService:
             self.proposers[session.method].commit(request_id, feature_start, features)
             session.tokens.extend(new_ids)
             session.features += 0 if features is None else len(features)
-            session.cycle, session.touched = cycle, time.monotonic()
+            session.cycle = cycle
+            session.lease.touch()
             gamma = self._room(len(session.tokens), gamma)
             if gamma <= 0:
                 return DraftBlock(tokens=[])
@@ -150,13 +151,12 @@ class DrafterService:
     def attach(self, request_id: str) -> None:
         """A Draft stream now carries this context (it is no longer subject to the lease)."""
         if request_id in self._sessions:
-            self._sessions[request_id].streams += 1
+            self._sessions[request_id].lease.attach()
 
     def detach(self, request_id: str) -> None:
         session = self._sessions.get(request_id)
         if session is not None:
-            session.streams -= 1
-            session.touched = time.monotonic()
+            session.lease.detach()
 
     def load(self) -> DrafterLoad:
         return DrafterLoad(len(self._sessions), len(self._queue), self.timer.ema_ms, self.timer.steps)
@@ -193,7 +193,7 @@ class DrafterService:
             now = time.monotonic()
             async with self._lock:
                 for rid, s in list(self._sessions.items()):
-                    if s.streams <= 0 and now - s.touched > self.lease_s:
+                    if s.lease.expired(self.lease_s, now):
                         self._forget(rid)
 
     def _forget(self, request_id: str) -> bool:

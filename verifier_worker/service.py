@@ -21,6 +21,7 @@ import torch
 
 from services.batching import StepTimer, compute_thread, gather_window
 from services.errors import InvalidRequestError, StaleCycleError, TierUnavailableError
+from services.lease import Lease
 from services.types import DraftBlock, OutcomeKind, SamplingParams, StepOutput
 from verifier_worker.engine import Engine
 
@@ -55,8 +56,7 @@ class VerifierLoad:
 @dataclass(slots=True)
 class _Session:
     cycle: int = 0
-    touched: float = field(default_factory=time.monotonic)  # prefill, last cycle or last stream's end
-    streams: int = 0  # Verify streams attached (0 or 1 in practice)
+    lease: Lease = field(default_factory=Lease)  # Verify streams attached; freed once none has for lease_s
     prefilled: bool = False
     features: list[torch.Tensor] = field(default_factory=list)  # prefill chunks so far
     waiter: asyncio.Future | None = None
@@ -121,7 +121,8 @@ class VerifierService:
             session.waiter = asyncio.get_running_loop().create_future()
         self._wake.set()
         out: StepOutput = await session.waiter
-        session.cycle, session.touched = cycle, time.monotonic()
+        session.cycle = cycle
+        session.lease.touch()
         return Verified(out, self.engine.num_tokens(request_id))
 
     async def release(self, request_id: str) -> bool:
@@ -131,20 +132,19 @@ class VerifierService:
     def attach(self, request_id: str) -> None:
         """A Verify stream now carries this request (it is no longer subject to the lease)."""
         if request_id in self._sessions:
-            self._sessions[request_id].streams += 1
+            self._sessions[request_id].lease.attach()
 
     def detach(self, request_id: str) -> None:
         session = self._sessions.get(request_id)
         if session is not None:
-            session.streams -= 1
-            session.touched = time.monotonic()
+            session.lease.detach()
 
     def load(self) -> VerifierLoad:
         usage = self.engine.cache.usage()
         return VerifierLoad(
             running=self.engine.num_running, waiting=self.engine.num_waiting, kv_used=usage.tokens_used,
             kv_total=usage.tokens_total, step_ms_ema=self.timer.ema_ms, steps=self.timer.steps,
-            streams=sum(s.streams for s in self._sessions.values()), batch_tokens=self.engine.last_batch_tokens,
+            streams=sum(s.lease.streams for s in self._sessions.values()), batch_tokens=self.engine.last_batch_tokens,
         )
 
     # ---- internals ----------------------------------------------------------------------------
@@ -213,5 +213,5 @@ class VerifierService:
             now = time.monotonic()
             async with self._lock:
                 for rid, s in list(self._sessions.items()):
-                    if s.streams <= 0 and s.waiter is None and now - s.touched > self.lease_s:
+                    if s.waiter is None and s.lease.expired(self.lease_s, now):
                         self._drop(rid, TierUnavailableError("lease expired"))
