@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     dbuild.add_argument("--out", type=Path, default=Path("build/data"), help="corpus JSONL + manifest")
     dbuild.add_argument("--eval-dir", type=Path, default=Path("benchmarks/datasets"), help="eval prompt JSONL")
     dbuild.add_argument("--seed", type=int, default=0)
-    dbuild.add_argument("--math-problems", type=int, default=20_000)
+    dbuild.add_argument("--math-problems", type=int, default=60_000)
     dbuild.add_argument("--eval-prompts", type=int, default=300, help="prompts per domain")
 
     train = sub.add_parser("train", help="train the project's own models")
@@ -100,16 +100,23 @@ def build_parser() -> argparse.ArgumentParser:
     ttarget.add_argument("--data-dir", type=Path, default=Path("build/data"))
     ttarget.add_argument("--run-dir", type=Path, default=Path("build/train/target"), help="resumable state")
     ttarget.add_argument("--out", type=Path, default=Path("models/dspark-target"), help="exported model")
-    ttarget.add_argument("--total-tokens", type=int, default=3_400_000)
-    ttarget.add_argument("--hidden", type=int, default=384)
-    ttarget.add_argument("--layers", type=int, default=8)
-    ttarget.add_argument("--heads", type=int, default=6)
-    ttarget.add_argument("--kv-heads", type=int, default=2)
-    ttarget.add_argument("--ffn", type=int, default=1024)
-    ttarget.add_argument("--batch-size", type=int, default=16)
-    ttarget.add_argument("--seq-len", type=int, default=256)
-    ttarget.add_argument("--lr", type=float, default=1e-3)
-    ttarget.add_argument("--eval-every", type=int, default=100, help="steps between validation passes")
+    tdef = _target_defaults()
+    ttarget.add_argument("--total-tokens", type=int, default=tdef.total_tokens)
+    ttarget.add_argument("--hidden", type=int, default=tdef.hidden)
+    ttarget.add_argument("--layers", type=int, default=tdef.layers)
+    ttarget.add_argument("--heads", type=int, default=tdef.heads)
+    ttarget.add_argument("--kv-heads", type=int, default=tdef.kv_heads)
+    ttarget.add_argument("--ffn", type=int, default=tdef.ffn)
+    ttarget.add_argument("--batch-size", type=int, default=tdef.batch_size)
+    ttarget.add_argument("--seq-len", type=int, default=tdef.seq_len)
+    ttarget.add_argument("--long-seq-len", type=int, default=tdef.long_seq_len,
+                         help="window of the last --long-fraction of the steps (0: none); also the context")
+    ttarget.add_argument("--long-fraction", type=float, default=tdef.long_fraction)
+    ttarget.add_argument("--lr", type=float, default=tdef.lr)
+    ttarget.add_argument("--eval-every", type=int, default=tdef.eval_every, help="steps between validation passes")
+    ttarget.add_argument("--export-every", type=int, default=tdef.export_every, help="steps between exports")
+    ttarget.add_argument("--resume-from", type=Path, help="an export (RUN_DIR/export) to resume from when RUN_DIR "
+                                                          "holds no state")
     ttarget.add_argument("--seed", type=int, default=0)
 
     add_cache_parser(data_sub)
@@ -194,6 +201,12 @@ def _data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _target_defaults():
+    from services.training.target import TargetTrainConfig
+
+    return TargetTrainConfig()
+
+
 def _train(args: argparse.Namespace) -> int:
     from services.training.target import TargetTrainConfig, train
 
@@ -204,6 +217,8 @@ def _train(args: argparse.Namespace) -> int:
         data_dir=args.data_dir, run_dir=args.run_dir, out_dir=args.out, total_tokens=args.total_tokens,
         hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn,
         batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, eval_every=args.eval_every, seed=args.seed,
+        long_seq_len=args.long_seq_len, long_fraction=args.long_fraction, export_every=args.export_every,
+        resume_from=args.resume_from, max_positions=max(args.seq_len, args.long_seq_len),
     )
     console = Console(stderr=True)
     out = train(cfg, log=lambda msg: console.print(msg, markup=False, highlight=False))

@@ -20,7 +20,7 @@ def _config(corpus, tmp_path, tokens: int) -> TargetTrainConfig:
     return TargetTrainConfig(data_dir=corpus["root"] / "data", run_dir=tmp_path / "run", out_dir=tmp_path / "m",
                              hidden=32, layers=2, heads=2, kv_heads=1, ffn=64, seq_len=32, batch_size=4,
                              total_tokens=tokens, warmup_steps=2, eval_every=2, eval_tokens=256,
-                             checkpoint_every=1)
+                             checkpoint_every=1, long_seq_len=64, long_fraction=0.4, export_every=2)
 
 
 def test_train_resume_export(small_corpus, tmp_path):
@@ -31,6 +31,9 @@ def test_train_resume_export(small_corpus, tmp_path):
     train(_config(small_corpus, tmp_path, 5 * 128), log=lambda _: None)  # same run dir: resumes at step 3
     log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2, 3, 4, 5]
+    # The last 40 % of each run on long windows (same tokens per step): step 3 of the 3-step run, 4-5 of the 5-step one.
+    assert [r["seq_len"] for r in log] == [32, 32, 64, 64, 64]
+    assert set(log[-1]["val_long"]["code"]) == {"32", "64"}
 
     out = tmp_path / "m"
     assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json",
@@ -60,3 +63,20 @@ def test_warmup_cosine():
     assert lrs[0] == 0.1 and lrs[9] == 1.0
     assert all(a >= b for a, b in itertools.pairwise(lrs[10:]))
     assert abs(lrs[-1] - 0.1) < 1e-3
+
+
+def test_resume_from_an_export_when_the_run_dir_is_gone(small_corpus, tmp_path):
+    """A later session on a fresh machine: no state.pt, only an export; training goes on at its step."""
+    import shutil
+
+    cfg = _config(small_corpus, tmp_path, 4 * 128)
+    train(cfg, log=lambda _: None)
+    export = tmp_path / "kept-export"
+    shutil.copytree(tmp_path / "run" / "export", export)  # taken at step 4 (export_every=2)
+    assert json.loads((export / "trainer_state.json").read_text())["step"] == 4
+    shutil.rmtree(tmp_path / "run")
+    from dataclasses import replace
+
+    train(replace(cfg, total_tokens=6 * 128, resume_from=export), log=lambda _: None)
+    log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [5, 6]

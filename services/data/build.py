@@ -13,12 +13,20 @@ from services.data.chat_format import qa, render
 from services.data.tokenizer_build import encode_split, save_tokenizer, train_tokenizer
 
 SOURCES = {
-    "code": {"what": "Python standard library sources (test suites excluded)", "licence": "PSF License 2.0"},
+    "code": {"what": "Python standard library sources, test suites included (site-packages held out)",
+             "licence": "PSF License 2.0"},
     "chat/python-docs": {"what": "python3.11-doc reST sources: FAQ, tutorial, HOWTOs, library and language "
                                  "reference, recast as questions and answers", "licence": "PSF License 2.0"},
-    "chat/man-pages": {"what": "man1 and man8 pages on the build machine (NAME, DESCRIPTION, OPTIONS)",
+    "chat/man-pages": {"what": "English man pages of sections 1-8 on the build machine (gcloud-* left out): "
+                               "description, options and prose sections as questions and answers",
                        "licence": "each page under its package's licence, see /usr/share/doc/<package>/copyright"},
-    "math": {"what": "generated multi-step arithmetic word problems with worked solutions (seeded)",
+    "chat/info": {"what": "GNU info manuals in /usr/share/info, one question and answer per node",
+                  "licence": "GNU Free Documentation License (each manual's own terms)"},
+    "chat/debian-docs": {"what": "plain-text package documentation in /usr/share/doc (READMEs, guides, FAQs; "
+                                 "change logs, copyright and NEWS left out), in parts of about 2,400 characters",
+                         "licence": "each file under its package's licence, see /usr/share/doc/<package>/copyright"},
+    "math": {"what": "generated multi-step word problems of 12 kinds (arithmetic, percentages, fractions, "
+                     "equations, geometry, averages, divisibility...) with worked solutions (seeded)",
              "licence": "Apache-2.0 (this project)"},
 }
 
@@ -28,7 +36,7 @@ class DataConfig:
     out_dir: Path = Path("build/data")
     eval_dir: Path = Path("benchmarks/datasets")
     seed: int = 0
-    math_problems: int = 20_000
+    math_problems: int = 60_000
     eval_prompts: int = 300  # per domain, from the test split
     limit: int | None = None  # documents per file-backed source, for quick builds in tests
     vocab_size: int = 8192
@@ -51,7 +59,8 @@ def _documents(cfg: DataConfig):
 
     for key, text in limited(code.stdlib_files()):
         yield "code", key, {"text": text}
-    for source in (chat.doc_pairs(), chat.api_pairs(), chat.man_pairs()):
+    for source in (chat.doc_pairs(), chat.api_pairs(), chat.man_pairs(), chat.info_pairs(),
+                   chat.debian_doc_pairs()):
         for key, messages in limited(source):
             yield "chat", key, {"messages": messages, "text": render(messages)}
     for n in range(cfg.math_problems):

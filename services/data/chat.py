@@ -6,13 +6,21 @@ import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from services.data import debian_docs, info
 from services.data.chat_format import qa
 from services.data.manpages import parse
 from services.data.rst import api_entries, sections
 
 PYTHON_DOC_SOURCES = Path("/usr/share/doc/python3.11/html/_sources")
 DOC_PARTS = ("faq", "tutorial", "howto", "library", "reference", "glossary.rst.txt", "using", "extending")
-MAN_DIRS = (Path("/usr/share/man/man1"), Path("/usr/share/man/man8"))
+MAN_DIRS = tuple(Path(f"/usr/share/man/man{n}") for n in range(1, 9))  # every section, English pages only
+# The Google Cloud SDK ships ~16k near-identical `gcloud-*` pages: they would be most of the corpus and teach one
+# phrasing, so they stay out.
+MAN_EXCLUDED_PREFIXES = ("gcloud",)
+_MAN_ASK = {"1": "What does the {n} command do?", "2": "What does the {n} system call do?",
+            "3": "What does the {n} library function do?", "4": "What is the {n} device?",
+            "5": "What is the {n} file format?", "6": "What is the {n} game?", "7": "Explain {n}.",
+            "8": "What does the {n} administration command do?"}
 _ASK = ("Explain {t}.", "What should I know about {t}?", "Can you describe {t}?", "Tell me about {t}.",
         "Give me an overview of {t}.")
 MIN_ANSWER, MAX_ANSWER = 120, 2400
@@ -60,15 +68,39 @@ def api_pairs(root: Path = PYTHON_DOC_SOURCES) -> Iterator[tuple[str, list[dict]
 
 
 def man_pairs(dirs: tuple[Path, ...] = MAN_DIRS) -> Iterator[tuple[str, list[dict]]]:
+    """(id, messages) per man page: what it is, each of its options, and each further prose section."""
     for directory in dirs:
+        section = directory.name.removeprefix("man")
         for path in sorted(directory.glob("*.gz")):
-            page = parse(path)
+            if path.name.startswith(MAN_EXCLUDED_PREFIXES):
+                continue
+            page = parse(path, full=True)
             if page is None:
                 continue
             key = f"man:{directory.name}/{path.name}"
             about = f"{page.name} — {page.summary}."
             if page.description:
                 about += "\n\n" + _trim(page.description)
-            yield key, qa(f"What does the {page.name} command do?", about)
+            yield key, qa(_MAN_ASK.get(section, _MAN_ASK["7"]).format(n=page.name), about)
             for k, (option, what) in enumerate(page.options):
                 yield f"{key}#opt{k}", qa(f"What does the {option} option of {page.name} do?", what)
+            for k, (title, text) in enumerate(page.extra):
+                yield f"{key}#sec{k}", qa(f"What does the {title.lower()} section of {page.name}({section}) say?",
+                                          _trim(text))
+
+
+def info_pairs(root: Path = info.INFO_DIR) -> Iterator[tuple[str, list[dict]]]:
+    """(id, messages) per node of the GNU info manuals."""
+    for key, node in info.nodes(root):
+        if len(node.body) < MIN_ANSWER:
+            continue
+        question = _pick(_ASK, key).format(t=f"{node.title} in the {node.manual} manual")
+        yield key, qa(question, _trim(node.body))
+
+
+def debian_doc_pairs(root: Path = debian_docs.DOC_ROOT) -> Iterator[tuple[str, list[dict]]]:
+    """(id, messages) per part of every package's plain-text documentation."""
+    for key, package, name, parts in debian_docs.documents(root):
+        for k, part in enumerate(parts):
+            where = f"part {k + 1} of " if len(parts) > 1 else ""
+            yield f"{key}#{k}", qa(f"What does {where}{name} of the {package} package say?", part)

@@ -1,4 +1,4 @@
-"""The `code` domain: the Python standard library's own sources (test suites and site-packages left out)."""
+"""The `code` domain: the Python standard library's own sources (site-packages left out)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-EXCLUDED_PARTS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+# Corpus v2 keeps the stdlib's own test suites (more code, same licence); installed packages stay held out.
+EXCLUDED_PARTS = {"site-packages", "dist-packages", "__pycache__"}
+MAX_FILE_BYTES = 400_000  # a few generated tables (unicode data, big test fixtures) are not code to learn
 _DEF = re.compile(r"^\s*(?:async\s+)?def \w+\(.*\)(?:\s*->\s*[^:]+)?:\s*$")
 
 
@@ -16,11 +18,11 @@ def stdlib_root() -> Path:
 
 
 def stdlib_files(root: Path | None = None) -> Iterator[tuple[str, str]]:
-    """(id, source text) for every stdlib module outside test suites, in path order."""
+    """(id, source text) for every stdlib module (outside installed packages), in path order."""
     root = root or stdlib_root()
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
-        if EXCLUDED_PARTS.intersection(rel.parts[:-1]):
+        if EXCLUDED_PARTS.intersection(rel.parts[:-1]) or path.stat().st_size > MAX_FILE_BYTES:
             continue
         text = path.read_text(encoding="utf-8", errors="replace")
         if text.strip():

@@ -11,6 +11,10 @@ _FONT = re.compile(r"\\f(?:\(..|\[[^\]]*\]|.)")  # \fB \fI \fR \f(CW \f[B]
 _ESCAPES = {r"\-": "-", r"\(em": "—", r"\(en": "–", r"\(aq": "'", r"\(dq": '"', r"\(lq": '"', r"\(rq": '"',
             r"\(bu": "•", r"\e": "\\", r"\&": "", r"\/": "", r"\,": "", r"\|": "", r"\^": "", r"\ ": " ",
             r"\~": " ", r"\(co": "©", r"\(oq": "'", r"\(cq": "'"}
+# Sections that hold no prose worth learning (or only names and addresses).
+_NOT_PROSE = {"NAME", "SYNOPSIS", "DESCRIPTION", "OPTIONS", "SEE ALSO", "AUTHOR", "AUTHORS", "COPYRIGHT",
+              "REPORTING BUGS", "COLOPHON", "LICENSE", "LICENCE", "HISTORY", "BUGS"}
+MAX_OPTIONS, MAX_EXTRA = 40, 6
 _OTHER_ESCAPE = re.compile(r"\\(?:\(..|\[[^\]]*\]|[*nk](?:\(..|\[[^\]]*\]|.)|s[-+]?\d+|.)")
 
 
@@ -20,6 +24,7 @@ class ManPage:
     summary: str  # NAME line text after the dash
     description: str  # DESCRIPTION paragraphs
     options: list[tuple[str, str]]  # (option, what it does)
+    extra: list[tuple[str, str]] = ()  # (section title, its prose) for sections other than NAME/SYNOPSIS/...
 
 
 def clean_troff(line: str) -> str:
@@ -80,7 +85,9 @@ def _paragraphs(lines: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
     return paras, options
 
 
-def parse(path: Path) -> ManPage | None:
+def parse(path: Path, full: bool = False) -> ManPage | None:
+    """The page's name, summary, description and options; with `full`, every option (up to MAX_OPTIONS), the
+    whole description and its other prose sections (EXAMPLES, RETURN VALUE, ERRORS, FILES...) too."""
     if path.suffix == ".gz":
         with gzip.open(path, "rt", errors="replace") as f:
             raw = f.read()
@@ -99,4 +106,15 @@ def parse(path: Path) -> ManPage | None:
     options = [(t, d) for t, d in options + more_options if t.startswith("-") and 10 <= len(d) <= 400]
     if not paras and not options:
         return None
-    return ManPage(names.split(",")[0].strip(), summary.strip(), "\n\n".join(paras[:4]), options[:8])
+    name = names.split(",")[0].strip()
+    if not full:
+        return ManPage(name, summary.strip(), "\n\n".join(paras[:4]), options[:8])
+    extra = []
+    for title, lines in sections.items():
+        if title in _NOT_PROSE or len(extra) >= MAX_EXTRA:
+            continue
+        prose, entries = _paragraphs(lines)
+        text = "\n\n".join(prose + [f"{t}: {d}" for t, d in entries])
+        if len(text) >= 80:
+            extra.append((title, text))
+    return ManPage(name, summary.strip(), "\n\n".join(paras), options[:MAX_OPTIONS], extra)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 
@@ -82,7 +83,107 @@ def _ages(r: random.Random) -> tuple[str, str, int]:
     return q, "\n".join(steps), age_a + years
 
 
-TEMPLATES: tuple[Callable[[random.Random], tuple[str, str, int]], ...] = (_buy_sell, _prices, _share, _rate, _ages)
+# Corpus v2 kinds. Every step is one "a op b = c" with whole numbers, so the solution checker reads them all.
+def _discount(r: random.Random) -> tuple[str, str, int]:
+    name, item = r.choice(NAMES), r.choice(ITEMS)
+    pct = r.choice((10, 20, 25, 50))
+    price = r.randint(2, 40) * (100 // math.gcd(100, pct))
+    off = price * pct // 100
+    q = (f"A box of {item} costs {price} dollars at {r.choice(PLACES)}. It is on sale at {pct}% off. "
+         f"How much does {name} pay for it?")
+    steps = [f"The discount is {price} × {pct} = {price * pct}, and {price * pct} ÷ 100 = {off} dollars.",
+             f"{name} pays {price} − {off} = {price - off} dollars."]
+    return q, "\n".join(steps), price - off
+
+
+def _fraction(r: random.Random) -> tuple[str, str, int]:
+    name, item = r.choice(NAMES), r.choice(ITEMS)
+    den = r.choice((3, 4, 5, 6, 8))
+    num = r.randint(1, den - 1)
+    total = den * r.randint(2, 15)
+    unit = total // den
+    q = (f"{name} has {total} {item} and gives {num}/{den} of them to a friend. "
+         f"How many {item} does {name} keep?")
+    steps = [f"One {den}th of {total} is {total} ÷ {den} = {unit}.",
+             f"{num}/{den} of them is {unit} × {num} = {unit * num}.",
+             f"{name} keeps {total} − {unit * num} = {total - unit * num}."]
+    return q, "\n".join(steps), total - unit * num
+
+
+def _equation(r: random.Random) -> tuple[str, str, int]:
+    name = r.choice(NAMES)
+    x, a, b = r.randint(2, 30), r.randint(2, 9), r.randint(1, 50)
+    c = a * x + b
+    q = f"{name} thinks of a number, multiplies it by {a} and adds {b}. The result is {c}. What is the number?"
+    steps = [f"Undo the addition: {c} − {b} = {c - b}.", f"Undo the multiplication: {c - b} ÷ {a} = {x}."]
+    return q, "\n".join(steps), x
+
+
+def _fence(r: random.Random) -> tuple[str, str, int]:
+    name = r.choice(NAMES)
+    length, width, cost = r.randint(3, 40), r.randint(2, 30), r.randint(2, 12)
+    half = length + width
+    q = (f"{name}'s garden is a rectangle {length} meters long and {width} meters wide. Fencing costs {cost} "
+         f"dollars per meter. How much does a fence all around the garden cost?")
+    steps = [f"Length plus width: {length} + {width} = {half} meters.",
+             f"The perimeter is {half} × 2 = {half * 2} meters.",
+             f"The fence costs {half * 2} × {cost} = {half * 2 * cost} dollars."]
+    return q, "\n".join(steps), half * 2 * cost
+
+
+def _average(r: random.Random) -> tuple[str, str, int]:
+    name = r.choice(NAMES)
+    scores = [r.randint(50, 100) for _ in range(3)]
+    last = r.randint(52, 100)
+    scores.append(last - (sum(scores) + last) % 4)  # a whole average
+    steps, run = [], scores[0]
+    for s in scores[1:]:
+        steps.append(f"{run} + {s} = {run + s}.")
+        run += s
+    steps.append(f"The average is {run} ÷ 4 = {run // 4}.")
+    q = f"{name} scored {', '.join(map(str, scores[:3]))} and {scores[3]} on four tests. What is the average score?"
+    return q, "Add the scores: " + "\n".join(steps), run // 4
+
+
+def _minutes(r: random.Random) -> tuple[str, str, int]:
+    name = r.choice(NAMES)
+    per = r.choice((5, 6, 10, 12, 15, 20, 30))
+    hours = r.randint(1, 6)
+    extra = per * r.randint(0, 60 // per - 1)
+    total = hours * 60 + extra
+    q = (f"{name} spends {hours} hours and {extra} minutes sorting {r.choice(ITEMS)}. Each batch takes {per} "
+         f"minutes. How many batches does {name} finish?")
+    steps = [f"{hours} hours is {hours} × 60 = {hours * 60} minutes.",
+             f"In all: {hours * 60} + {extra} = {total} minutes.",
+             f"Batches: {total} ÷ {per} = {total // per}."]
+    return q, "\n".join(steps), total // per
+
+
+def _buses(r: random.Random) -> tuple[str, str, int]:
+    a, b = r.sample((4, 6, 8, 9, 10, 12, 14, 15, 16, 18, 20, 24, 25, 30), 2)
+    g = math.gcd(a, b)
+    q = (f"One bus leaves the station every {a} minutes and another every {b} minutes. They both leave at 8:00. "
+         f"After how many minutes do they next leave together?")
+    steps = [f"The greatest common divisor of {a} and {b} is {g}.",
+             f"The least common multiple is {a} × {b} = {a * b}, divided by the divisor: {a * b} ÷ {g} = "
+             f"{a * b // g}."]
+    return q, "\n".join(steps), a * b // g
+
+
+def _savings(r: random.Random) -> tuple[str, str, int]:
+    name, item = r.choice(NAMES), r.choice(ITEMS)
+    per, weeks = r.randint(3, 25), r.randint(3, 20)
+    saved = per * weeks
+    spent = r.randint(1, saved - 1)
+    q = (f"{name} saves {per} dollars every week for {weeks} weeks, then spends {spent} dollars on {item}. "
+         f"How much money is left?")
+    steps = [f"Saved: {per} × {weeks} = {saved} dollars.", f"Left: {saved} − {spent} = {saved - spent} dollars."]
+    return q, "\n".join(steps), saved - spent
+
+
+TEMPLATES: tuple[Callable[[random.Random], tuple[str, str, int]], ...] = (
+    _buy_sell, _prices, _share, _rate, _ages, _discount, _fraction, _equation, _fence, _average, _minutes, _buses,
+    _savings)
 
 
 def problem(seed: int) -> tuple[str, str]:
