@@ -21,7 +21,8 @@ PART_CHARS = 2400
 
 def _text(path: Path) -> str | None:
     name = path.name.removesuffix(".gz")
-    if SKIPPED.search(path.as_posix()) or Path(name).suffix.lower() not in TEXT_SUFFIXES or path.stat().st_size > MAX_FILE_BYTES:
+    if (SKIPPED.search(path.as_posix()) or Path(name).suffix.lower() not in TEXT_SUFFIXES
+            or path.stat().st_size > MAX_FILE_BYTES):
         return None
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
