@@ -18,13 +18,13 @@ import time
 
 import torch
 
-from router.local import GenerationRequest, LocalRouter
-from router.policy import Policy
+from router.offline import GenerationRequest, LocalRouter
+from router.scheduling.policy import Policy
 from services.loader import load_model, resolve_dtype
 from services.model import CausalLM
 from services.registry import resolve_model
-from services.tiny_model import random_model, tiny_config
 from services.types import DraftBlock, SamplingParams
+from training.tiny_model import random_model, tiny_config
 from verifier_worker.engine import Engine, EngineConfig
 from verifier_worker.kv_cache import KVCache
 from verifier_worker.profile import time_forward

@@ -25,17 +25,18 @@ import statistics
 import time
 from pathlib import Path
 
-from router.board_view import BoardView
-from router.grpc_tiers import GrpcDrafter, GrpcVerifier
-from router.launcher import RedisProcess, start_tiers
-from router.planner import VerifyPlanner
+from cluster.launcher import RedisProcess, start_tiers
+from drafter_worker.settings import DrafterSettings
 from router.router import Router, RouterConfig
-from router.serve_config import DrafterSettings, VerifierSettings
+from router.scheduling.board_view import BoardView
+from router.scheduling.planner import VerifyPlanner
 from router.session import RouterRequest
+from router.tiers.grpc import GrpcDrafter, GrpcVerifier
 from services.load_board import RedisBoard
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
 from services.types import SamplingParams
+from verifier_worker.settings import VerifierSettings
 
 DATASETS = Path(__file__).parent / "datasets"
 ARMS = {"none": {"method": "none"}, "mtp1": {"method": "mtp", "policy": "mtp1"},
@@ -102,7 +103,7 @@ async def bench(args, verifier_address: str, drafter_address: str, redis_url: st
     router = Router(verifier, drafter, {"dspark", "mtp"}, RouterConfig(max_running=64), tok,
                     planner=VerifyPlanner(0.3, board))
     await router.start()
-    while router.planner.sps is None:
+    while router.scheduling.planner.sps is None:
         await asyncio.sleep(0.1)
     for arm in ARMS:  # warm-up: every code path once, and the dspark estimates some outcomes to learn from
         await run_arm(router, prompts, arm, 4 if arm == "dspark" else 1, 1, args.max_tokens, args.temperature)

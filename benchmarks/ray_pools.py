@@ -4,7 +4,7 @@ Measured in one run, on the shipped target (fp32, one torch thread per replica),
 tokens (EOS ignored), prompts round robin from the code / math / chat eval sets, closed loop:
 - start: seconds from `ray.init` until the controller's first replicas serve; adding one replica;
 - serving: per-user and total tok/s at concurrency c over the Ray deployment, against the same tiers
-  as plain child processes (`router/launcher.py`) — the data path is the same gRPC, the difference is
+  as plain child processes (`cluster/launcher.py`) — the data path is the same gRPC, the difference is
   what Ray's own processes take from the machine;
 - a killed verifier (of 2): the longest gap between two chunks of any request, and until the
   controller's replacement serves;
@@ -23,18 +23,18 @@ import statistics
 import time
 from pathlib import Path
 
-from router.ray_local import connect  # before anything imports ray: the local instance listens on loopback
-from router.serve_config import RaySettings, ServeSettings
+from cluster.ray_local import connect  # before anything imports ray: the local instance listens on loopback
+from cluster.settings import RaySettings, ServeSettings
 
 connect(RaySettings(namespace="dspark-bench"))
 import ray  # noqa: E402
 
 from benchmarks.policies import load_prompts  # noqa: E402
-from router.controller import RayDiscovery, create  # noqa: E402
-from router.launcher import start_tiers  # noqa: E402
-from router.pooled_tiers import StaticDiscovery  # noqa: E402
-from router.roles import build_router  # noqa: E402
+from cluster.controller import RayDiscovery, create  # noqa: E402
+from cluster.launcher import start_tiers  # noqa: E402
+from router.main import build_router  # noqa: E402
 from router.session import RouterRequest  # noqa: E402
+from router.tiers.pooled import StaticDiscovery  # noqa: E402
 from services.registry import resolve_model  # noqa: E402
 from services.tokenizer import TextTokenizer  # noqa: E402
 from services.types import SamplingParams  # noqa: E402

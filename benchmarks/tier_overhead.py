@@ -23,19 +23,22 @@ import time
 
 import torch
 
+from cluster.launcher import start_tier
 from drafter_worker.drafter import Drafter
-from router.grpc_tiers import GrpcDrafter, GrpcVerifier
-from router.launcher import start_tier
-from router.local import GenerationRequest, LocalRouter
-from router.policy import Policy
-from router.roles import drafter_service, verifier_service
+from drafter_worker.main import drafter_service
+from drafter_worker.service import LocalDrafter
+from drafter_worker.settings import DrafterSettings
+from router.offline import GenerationRequest, LocalRouter
 from router.router import Router, RouterConfig
-from router.serve_config import DrafterSettings, VerifierSettings
+from router.scheduling.policy import Policy
 from router.session import RouterRequest, Speculation
-from router.tiers import LocalDrafter, LocalVerifier
+from router.tiers.grpc import GrpcDrafter, GrpcVerifier
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
 from services.types import SamplingParams
+from verifier_worker.main import verifier_service
+from verifier_worker.service import LocalVerifier
+from verifier_worker.settings import VerifierSettings
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n", "class Stack:\n    def push(self, item):", "for i in range(10):",
            "<|user|>\nWhat is 12 + 30?<|end|>\n<|assistant|>\n", "The quick brown fox", "def main():\n",

@@ -1,4 +1,4 @@
-"""gRPC shell of the drafter tier: `dspark.v1.Drafter` over a `DrafterService` (DESIGN §4, §7).
+"""gRPC shell of the drafter tier: `dspark.v1.Drafter` over a `DrafterService` (docs/design.md §4, §7).
 
 One Draft stream per request. The stream ending because the client cancelled or finished frees the
 request's draft context; a rejected message (stale cycle, inconsistent delta) ends the stream with its

@@ -18,19 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafter_worker.proposer import Proposer
 from services.batching import StepTimer, compute_thread, gather_window
 from services.errors import InvalidRequestError, StaleCycleError, TierUnavailableError
 from services.lease import Lease
-from services.types import DraftBlock, SamplingParams
-
-
-@dataclass(slots=True)
-class DrafterLoad:
-    contexts: int
-    queued: int
-    step_ms_ema: float
-    steps: int
+from services.types import DraftBlock, DrafterLoad, Proposer, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,3 +233,22 @@ class DrafterService:
             params = {rid: self._sessions[rid].params for rid in rids}
             blocks.update(self.proposers[method].propose(contexts, gamma, params))
         return blocks
+
+
+class LocalDrafter:
+    """A `DrafterService` in this process, as the router's `DrafterTier`."""
+
+    def __init__(self, service: DrafterService):
+        self.service = service
+
+    async def open(self, request_id, context_ids, features, params, cycle, method, traceparent) -> None:
+        await self.service.open(request_id, context_ids, features, params, cycle, method)
+
+    async def draft(self, request_id, cycle, new_ids, feature_start, features, gamma, traceparent) -> DraftBlock:
+        return await self.service.draft(request_id, cycle, new_ids, feature_start, features, gamma)
+
+    async def release(self, request_id) -> None:
+        await self.service.release(request_id)
+
+    def forget(self, request_id) -> None:
+        """Nothing to cut: in process there is no stream."""

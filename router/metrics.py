@@ -1,4 +1,4 @@
-"""Prometheus metrics of the router (DESIGN §10), vLLM-compatible where vLLM has a name for it.
+"""Prometheus metrics of the router (docs/design.md §10), vLLM-compatible where vLLM has a name for it.
 
 Counters, not gauges, for speculation so rates aggregate across replicas:
 acceptance rate = rate(accepted_tokens) / rate(draft_tokens); τ = 1 + rate(accepted_tokens) / rate(drafts).

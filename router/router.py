@@ -1,5 +1,5 @@
 """The tiered router core: sessions and the cycle loop (draft → schedule → verify → commit) over a
-verifier tier and a drafter tier reached through `router/tiers.py` protocols (gRPC or in-process).
+verifier tier and a drafter tier reached through `router/tiers/protocol.py` protocols (gRPC or in-process).
 
 Each request runs as its own coroutine; batching happens in the tiers, which serve many streams per
 step. The router is the ground truth of every session (committed tokens), so it recovers from a lost
@@ -21,16 +21,15 @@ import torch
 from opentelemetry import trace
 
 from router.metrics import RouterMetrics
-from router.planner import Decision, VerifyPlanner
-from router.policy import Policy, max_verify_len, verify_len
+from router.scheduling.planner import Decision, VerifyPlanner
+from router.scheduling.policy import Policy, max_verify_len, verify_len
 from router.session import Chunk, RouterRequest, Session, Speculation, resolve
 from router.text_stream import TextStream
-from router.tiers import DrafterTier, VerifierTier
+from router.tiers.protocol import DrafterTier, VerifierTier
 from services.errors import CapacityError, InvalidRequestError, StaleCycleError, TierUnavailableError
 from services.tokenizer import TextTokenizer
 from services.tracing import current_traceparent
-from services.types import DraftBlock
-from verifier_worker.service import Prefilled, Verified
+from services.types import DraftBlock, Prefilled, Verified
 
 log = logging.getLogger(__name__)
 

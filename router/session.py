@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from router.policy import Policy
+from router.scheduling.policy import Policy
 from router.text_stream import TextStream
 from services.batching import ema
 from services.errors import InvalidRequestError

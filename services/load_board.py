@@ -1,4 +1,4 @@
-"""The load board (DESIGN §8): every engine publishes its load; routers read it to place and trim.
+"""The load board (docs/design.md §8): every engine publishes its load; routers read it to place and trim.
 
 One key per engine with a TTL (`SET … PX`), carrying a publisher sequence number and wall-clock time;
 no pub/sub, which drops messages while a reader reconnects. Readers treat an entry older than

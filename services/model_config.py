@@ -152,3 +152,11 @@ def _rope(raw: dict) -> RopeConfig:
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
     )
+
+
+def default_tap_layers(num_layers: int) -> tuple[int, ...]:
+    """The feature taps both tiers agree on by default: low, middle and high decoder-layer outputs, never the
+    last layer (EAGLE-3's three taps)."""
+    if num_layers < 4:
+        return tuple(range(num_layers))
+    return tuple(sorted({1, num_layers // 2, num_layers - 2}))

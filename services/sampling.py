@@ -1,6 +1,6 @@
 """The acceptance rule of speculative decoding, as pure functions.
 
-Vocabulary (DESIGN §1):
+Vocabulary (docs/design.md §1):
 - target distribution p_k: the target's next-token distribution at draft position k, after the
   request's temperature, top-k and top-p (the distribution the output must follow exactly);
 - draft distribution q_k: what the drafter sampled x_k from. Drafters send it *sparse and

@@ -1,4 +1,4 @@
-"""OpenTelemetry set-up and W3C context helpers shared by every tier (DESIGN §10).
+"""OpenTelemetry set-up and W3C context helpers shared by every tier (docs/design.md §10).
 
 One tracer provider per process (`setup_tracing`); components take a `Tracer` so tests can hand them
 a provider with an in-memory exporter. Context crosses gRPC as the W3C `traceparent` string carried

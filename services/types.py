@@ -1,10 +1,11 @@
-"""Typed contracts between stages (DESIGN §1 vocabulary)."""
+"""Typed contracts between stages (docs/design.md §1 vocabulary)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
 
 import torch
 
@@ -92,3 +93,63 @@ class StepOutput:
     kind: OutcomeKind | None = None  # None for a prefill chunk that emits nothing yet
     feature_start: int = 0  # position of the first row of `features`
     features: torch.Tensor | None = None  # [P, num_taps * d] of the newly committed positions
+
+
+# Results and loads that cross between the tiers and the router (what `protos/codec.py` encodes).
+@dataclass(slots=True)
+class Prefilled:
+    """A verifier's answer to a prefill: the first token and the target features of the prompt."""
+
+
+    emitted: list[int]  # [1] the first token; empty when resumed
+    committed: int  # committed tokens: prompt + emitted (+ resumed)
+    features: torch.Tensor | None  # [committed − 1, T*d] every position before the anchor
+
+
+@dataclass(slots=True)
+class Verified:
+    output: StepOutput
+    committed: int
+
+
+@dataclass(slots=True)
+class VerifierLoad:
+    running: int
+    waiting: int
+    kv_used: int
+    kv_total: int
+    step_ms_ema: float
+    steps: int
+    streams: int
+    batch_tokens: int  # tokens in the last step
+
+
+@dataclass(slots=True)
+class DrafterLoad:
+    contexts: int
+    queued: int
+    step_ms_ema: float
+    steps: int
+
+
+@dataclass(frozen=True, slots=True)
+class VerifierProfile:
+    engine_id: str  # the replica's key on the load board
+    sps: list[tuple[int, float]] = field(default_factory=list)  # (batch tokens, step ms); empty: not profiled
+
+
+class Proposer(Protocol):
+    """Proposes draft blocks for many requests at once.
+
+    `contexts` maps request id → its committed tokens (the last one is the anchor); `params` gives each
+    request's sampling parameters (drafts are sampled at the request's temperature). A drafter may return a
+    shorter block than γ (even an empty one) when it has nothing to propose. `commit` hands over the target
+    features of newly committed positions (rows from `feature_start` on), which model drafters condition on.
+    """
+
+    def propose(self, contexts: dict[str, list[int]], gamma: int,
+                params: dict[str, SamplingParams] | None = None) -> dict[str, DraftBlock]: ...
+
+    def commit(self, request_id: str, feature_start: int, features: torch.Tensor | None) -> None: ...
+
+    def release(self, request_id: str) -> None: ...

@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from router.ray_local import AUTH_ENV, use_loopback
-from services.data.build import DataConfig, build
+from cluster.ray_local import AUTH_ENV, use_loopback
 from services.layers import RaggedLayout
 from services.model import CausalLM, ForwardOutput
-from services.tiny_model import random_model, tiny_config
+from training.data.build import DataConfig, build
+from training.tiny_model import random_model, tiny_config
 from verifier_worker.engine import Engine, EngineConfig
 from verifier_worker.kv_cache import KVCache
 

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.validate import MAX_FEATURE, MAX_GAMMA, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE
-from router.policy import Policy
 from router.router import RouterConfig
+from router.scheduling.policy import Policy
 
 IA, FP = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
 METHODS = {"dspark", "eagle3"}  # one block drafter, one chain drafter

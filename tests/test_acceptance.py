@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from router.acceptance import AcceptanceModel
+from router.scheduling.acceptance import AcceptanceModel
 from services.types import DraftBlock
 
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.autoscaler import Autoscaler, ScaleEvent, pool_signal
-from router.serve_config import AutoscalerSettings, PoolSettings
+from cluster.autoscaler import Autoscaler, ScaleEvent, pool_signal
+from cluster.settings import AutoscalerSettings, PoolSettings
 from services.load_board import EngineLoad
 
 T0 = 1000.0  # a monotonic-like origin for `now`

@@ -12,8 +12,8 @@ from benchmarks.serve_bench.plots import plots
 from benchmarks.serve_bench.report import markdown
 from benchmarks.serve_bench.runner import BenchConfig, greedy_gate, permutation_chi2, run
 from benchmarks.serve_bench.workloads import load_workload
-from router.launcher import start_tiers
-from router.serve_config import RouterSettings
+from cluster.launcher import start_tiers
+from router.settings import RouterSettings
 from tests.tiers import api_server, drafter_settings, verifier_settings
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,8 @@ import torch
 from scipy.stats import mannwhitneyu
 
 from drafter_worker.calibration import Calibration, default_grid, fit_sts
-from services.calibration_metrics import auroc, brier, ece, plot_reliability, reliability_curve
+from services.calibration_metrics import auroc, brier, ece, reliability_curve
+from training.eval.plots import plot_reliability
 
 N, GAMMA = 20000, 16
 

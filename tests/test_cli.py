@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from router.cli import main
-from services.tiny_model import build_tiny_model
+from cli.main import main
+from training.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="module")

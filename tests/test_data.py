@@ -7,11 +7,11 @@ import re
 
 import pytest
 
-from services.data import math_problems
-from services.data.build import split_of
-from services.data.chat_format import render
-from services.data.rst import api_entries, clean_inline, sections
+from services.chat_template import render
 from tests.conftest import build_small_corpus
+from training.data import math_problems
+from training.data.build import split_of
+from training.data.rst import api_entries, clean_inline, sections
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from drafter_worker.ngram import NgramProposer
-from router.policy import Policy, max_verify_len, verify_len
-from services.tiny_model import build_tiny_model
+from router.scheduling.policy import Policy, max_verify_len, verify_len
 from services.tokenizer import TextTokenizer
+from training.tiny_model import build_tiny_model
 
 
 def test_ngram_prefers_the_longest_suffix_match():

@@ -10,11 +10,11 @@ import torch
 
 from drafter_worker.checkpoint import load_drafter
 from drafter_worker.config import default_config
-from services.training import target_cache
-from services.training.anchors import block_labels, sample_anchors
-from services.training.drafter import DrafterTrainConfig, train
-from services.training.drafter_losses import decay_weights, dspark_loss, soft_ce_loss, step_weights
 from tests.conftest import VOCAB, make_model
+from training import target_cache
+from training.anchors import block_labels, sample_anchors
+from training.drafter import DrafterTrainConfig, train
+from training.drafter_losses import decay_weights, dspark_loss, soft_ce_loss, step_weights
 
 TAPS = (0, 1, 2)
 

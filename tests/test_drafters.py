@@ -8,8 +8,8 @@ import torch
 from drafter_worker.checkpoint import build_draft_model
 from drafter_worker.config import DrafterConfig, HeadType, Method, default_config
 from drafter_worker.drafter import Drafter
-from router.local import GenerationRequest, LocalRouter
-from router.policy import Policy
+from router.offline import GenerationRequest, LocalRouter
+from router.scheduling.policy import Policy
 from services.types import SamplingParams
 from tests.conftest import VOCAB, make_engine, make_model, random_prompts
 

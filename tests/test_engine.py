@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from router.local import GenerationRequest, LocalRouter
-from router.policy import Policy
+from router.offline import GenerationRequest, LocalRouter
+from router.scheduling.policy import Policy
 from services.errors import CapacityError, InvalidRequestError
 from services.layers import RaggedLayout
 from services.types import DraftBlock, SamplingParams

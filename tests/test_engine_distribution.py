@@ -6,8 +6,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from router.local import GenerationRequest, LocalRouter
-from router.policy import Policy
+from router.offline import GenerationRequest, LocalRouter
+from router.scheduling.policy import Policy
 from services.sampling import logits_to_probs
 from services.types import SamplingParams
 from tests.conftest import full_forward, make_engine, make_model

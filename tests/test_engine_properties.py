@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.local import GenerationRequest, LocalRouter
-from router.policy import Policy
+from router.offline import GenerationRequest, LocalRouter
+from router.scheduling.policy import Policy
 from services.types import DraftBlock, SamplingParams
 from tests.conftest import VOCAB, make_engine
 

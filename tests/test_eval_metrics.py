@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from router.evaluate import CycleLog, EvalRun
-from router.local import GenerationResult
+from router.offline import GenerationResult
 from services.types import DraftBlock, FinishReason, OutcomeKind, StepOutput
+from training.eval.evaluate import CycleLog, EvalRun
 
 
 def _result(cycles: int, emitted: int, drafted: int, accepted: int, survived: list[int], proposed: list[int]):

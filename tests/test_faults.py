@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from cluster.launcher import TierProcess, start_tier, start_tiers
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import channel
-from router.launcher import TierProcess, start_tier, start_tiers
-from router.serve_config import RouterSettings
+from router.settings import RouterSettings
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
 from tests.chaos import ChaosProxy, stalled
@@ -258,11 +258,11 @@ def test_losing_the_only_verifier_ends_every_request_with_a_clear_error(survivor
 def test_a_failing_engine_step_drops_its_requests_and_the_verifier_serves_on(tokenizer):
     """vLLM's "evil forward": the 5th engine step raises. The verifier drops that step's requests as if it had
     been lost, its loop keeps serving, and the router re-prefills them: every output still exact, nothing held."""
-    from router.roles import verifier_service
     from router.router import Router, RouterConfig
     from router.session import RouterRequest
-    from router.tiers import LocalVerifier
     from services.types import SamplingParams
+    from verifier_worker.main import verifier_service
+    from verifier_worker.service import LocalVerifier
 
     prompts = [tokenizer.encode(p) for p in PROMPTS[:3]]
 

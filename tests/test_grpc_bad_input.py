@@ -18,16 +18,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import Phase, given, settings
 
+from cluster.launcher import start_tiers
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import OPTIONS, GrpcServer
 from protos.validate import MAX_GAMMA
-from router.grpc_server import RouterServicer
-from router.grpc_tiers import GrpcDrafter, GrpcVerifier
-from router.launcher import start_tiers
-from router.policy import Policy
+from router.api.grpc import RouterServicer
 from router.router import Router, RouterConfig
+from router.scheduling.policy import Policy
 from router.session import Speculation
+from router.tiers.grpc import GrpcDrafter, GrpcVerifier
 from services.model_config import ModelConfig
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer

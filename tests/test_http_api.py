@@ -12,8 +12,8 @@ import pytest
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import channel
-from router.serve_config import RouterSettings
-from services.data.chat_format import render
+from router.settings import RouterSettings
+from services.chat_template import render
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
 from tests.tiers import TARGET, api_server, plain_greedy, tier_pair

@@ -22,7 +22,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from router.serve_config import RouterSettings
+from router.settings import RouterSettings
 from tests.tiers import TARGET, api_server, tier_pair
 
 KEY = "sk-fuzz"

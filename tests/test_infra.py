@@ -25,8 +25,9 @@ import yaml
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from router.serve_config import PoolSettings, ServeSettings, load
+from cluster.settings import PoolSettings, ServeSettings
 from services.load_board import PREFIX, EngineLoad, RedisBoard
+from services.settings import load
 
 ROOT = Path(__file__).resolve().parents[1]
 INFRA = ROOT / "infra"
@@ -306,7 +307,7 @@ def test_serve_config_paths_are_mounted():
 
 def test_dspark_command_lines_parse():
     """Every `dspark ...` of the manifests and of infra/README.md parses with the real `dspark` parser."""
-    from router.cli import build_parser
+    from cli.main import build_parser
 
     commands = _dspark_command_lines()
     verbs = {words[1] for _, words in commands}

@@ -54,7 +54,7 @@ def test_redis_outage_degrades_to_unavailable_then_recovers(redis_server):
 
 
 def test_tier_processes_publish_their_load(redis_server):
-    from router.launcher import start_tiers
+    from cluster.launcher import start_tiers
     from tests.tiers import drafter_settings, verifier_settings
 
     tiers = start_tiers([("verifier", verifier_settings(redis_url=redis_server.url)),
@@ -79,7 +79,7 @@ def test_tier_processes_publish_their_load(redis_server):
 
 
 def test_dspark_top_shows_the_board(redis_server, capsys, monkeypatch):
-    from router.cli import main
+    from cli.main import main
 
     monkeypatch.setenv("COLUMNS", "200")  # a wide terminal, so rich does not elide the columns
     board = RedisBoard(redis_server.url)
@@ -93,7 +93,7 @@ def test_dspark_top_shows_the_board(redis_server, capsys, monkeypatch):
 
 
 def test_board_view_freshness_follows_seq_on_the_readers_clock():
-    from router.board_view import BoardView
+    from router.scheduling.board_view import BoardView
 
     view = BoardView(LocalBoard(), stale_after_s=0.5)
     assert view.view("v0", own_requests=2).fallback  # nothing read yet

@@ -17,11 +17,11 @@ import grpc
 import httpx
 import pytest
 
+from cluster.launcher import start_tiers
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import channel
-from router.launcher import start_tiers
-from router.serve_config import RouterSettings
+from router.settings import RouterSettings
 from services.errors import CapacityError
 from services.types import SamplingParams
 from tests.conftest import make_engine

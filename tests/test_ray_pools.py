@@ -19,9 +19,9 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from router.controller import RayDiscovery, create  # noqa: E402
-from router.roles import build_router  # noqa: E402
-from router.serve_config import ServeSettings  # noqa: E402
+from cluster.controller import RayDiscovery, create  # noqa: E402
+from cluster.settings import ServeSettings  # noqa: E402
+from router.main import build_router  # noqa: E402
 from router.session import RouterRequest  # noqa: E402
 from services.registry import resolve_model  # noqa: E402
 from services.tokenizer import TextTokenizer  # noqa: E402

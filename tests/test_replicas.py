@@ -12,15 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import router.replicas as replicas_mod
-from router.pooled_tiers import PooledDrafter, PooledVerifier, Pools, StaticDiscovery
-from router.replicas import Member, ReplicaSet
+import router.tiers.replicas as replicas_mod
+from router.tiers.pooled import PooledDrafter, PooledVerifier, Pools, StaticDiscovery
+from router.tiers.replicas import Member, ReplicaSet
 from services.errors import StaleCycleError, TierUnavailableError
 
 
 # ---- fakes ----------------------------------------------------------------------------------------
 class Clock:
-    """Stands in for the `time` module of router.replicas (asyncio keeps the real clock)."""
+    """Stands in for the `time` module of router.tiers.replicas (asyncio keeps the real clock)."""
 
     def __init__(self, t: float = 1000.0):
         self.t = t
@@ -580,15 +580,17 @@ def test_pools_wait_ready_waits_for_both_pools_and_times_out():
 # ---- end to end: the real router core over pools of in-process services -----------------------------
 @pytest.mark.slow
 def test_router_over_pools_survives_a_lost_verifier_and_drafter_replica():
-    from router.policy import Policy
-    from router.roles import drafter_service, load_target, verifier_service
+    from drafter_worker.main import drafter_service
+    from drafter_worker.service import LocalDrafter
     from router.router import Router, RouterConfig
+    from router.scheduling.policy import Policy
     from router.session import RouterRequest, Speculation
-    from router.tiers import LocalDrafter, LocalVerifier
     from services.registry import resolve_model
     from services.tokenizer import TextTokenizer
     from services.types import SamplingParams
     from tests.tiers import PROMPTS, TARGET, drafter_settings, plain_greedy, verifier_settings
+    from verifier_worker.main import load_target, verifier_service
+    from verifier_worker.service import LocalVerifier
 
     tokenizer = TextTokenizer.from_dir(resolve_model(TARGET))
     prompt = tokenizer.encode(PROMPTS[0])

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from drafter_worker.service import DrafterService
-from router.planner import VerifyPlanner
-from router.policy import Policy
+from router.scheduling.planner import VerifyPlanner
+from router.scheduling.policy import Policy
 from router.session import Speculation, resolve
 from router.text_stream import TextStream
 from services.errors import InvalidRequestError, StaleCycleError

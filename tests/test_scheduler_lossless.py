@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from scipy.stats import chisquare
 
-from router.budget import VerifierView, VerifyBudget, leading, plan_budget
-from router.scheduler import schedule, survival
+from router.scheduling.algorithm1 import schedule, survival
+from router.scheduling.budget import VerifierView, VerifyBudget, leading, plan_budget
 from services.sampling import accept_stochastic
 
 P1 = np.array([0.5, 0.3, 0.2])

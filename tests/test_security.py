@@ -16,20 +16,24 @@ import pytest
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cli.main import build_parser
+from cli.serve import serve_settings
+from cluster.launcher import RedisProcess, start_tier, start_tiers
+from cluster.settings import ServeSettings
+from drafter_worker.settings import DrafterSettings
 from protos.serving import channel
-from router.cli import build_parser
-from router.cli_serve import serve_settings
-from router.launcher import RedisProcess, start_tier, start_tiers
-from router.roles import build_router, tier_health
-from router.serve_config import DrafterSettings, RouterSettings, ServeSettings, VerifierSettings, load
+from router.main import build_router, tier_health
 from router.session import RouterRequest
+from router.settings import RouterSettings
 from services.errors import InvalidRequestError
 from services.redact import redact_url
 from services.registry import resolve_model
+from services.settings import load
 from services.tls import TlsSettings, read_tls
 from services.tokenizer import TextTokenizer
 from services.types import SamplingParams
 from tests.tiers import PROMPTS, TARGET, drafter_settings, plain_greedy, private_redis, verifier_settings
+from verifier_worker.settings import VerifierSettings
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 PASSWORD = "board-secret-7f3a"
@@ -223,9 +227,9 @@ def test_a_tier_and_a_router_share_the_board_with_acl_credentials(acl_redis, cap
         await router.start(pools.run)
         try:
             async with asyncio.timeout(20):
-                while router.planner.board.fresh(verifier.address) is None:
+                while router.scheduling.planner.board.fresh(verifier.address) is None:
                     await asyncio.sleep(0.05)
-            return router.planner.board.fresh(verifier.address)
+            return router.scheduling.planner.board.fresh(verifier.address)
         finally:
             await router.stop()
             await pools.close()

@@ -1,4 +1,4 @@
-"""The RayService entry point (router/serve_app.py) under a real Ray Serve on a local loopback instance:
+"""The RayService entry point (cluster/serve_app.py) under a real Ray Serve on a local loopback instance:
 the Serve replica starts the controller, both pools and the router, whose API answers like `dspark serve`."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_the_serve_app_runs_dspark_inside_ray_serve(tmp_path, monkeypatch):
     config = tmp_path / "serve.yaml"
     config.write_text(CONFIG.replace("PORT", str(port)))
     monkeypatch.setenv("DSPARK_SERVE_CONFIG", str(config))
-    from router.serve_app import DsparkDeployment
+    from cluster.serve_app import DsparkDeployment
 
     ray.init(num_cpus=2, include_dashboard=False, namespace="dspark-serve-app", log_to_driver=False)
     try:

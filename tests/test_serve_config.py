@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from router.cli import build_parser
-from router.cli_serve import serve_settings
-from router.serve_config import ServeSettings, VerifierSettings, load
+from cli.main import build_parser
+from cli.serve import serve_settings
+from cluster.settings import ServeSettings
 from services.errors import InvalidRequestError
+from services.settings import load
+from verifier_worker.settings import VerifierSettings
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "infra" / "serve.example.yaml"
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from router.cli import main
+from cli.main import main
 from services.registry import MODELS_DIR, list_models
 from tests.test_shipped_model import TARGET, _first_prompts
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from router.cli import main
+from cli.main import main
 from services.loader import load_model
 from services.registry import MODELS_DIR, list_models
 from tests.conftest import full_forward

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from drafter_worker.ngram import NgramProposer
-from router.local import GenerationRequest, LocalRouter
-from router.policy import Policy
+from router.offline import GenerationRequest, LocalRouter
+from router.scheduling.policy import Policy
 from services.types import FinishReason, SamplingParams
 from tests.conftest import VOCAB, make_engine, random_prompts
 from tests.drafters import OracleProposer, RandomProposer

@@ -16,19 +16,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from router.local import GenerationRequest, LocalRouter
-from router.policy import Policy
+from router.offline import GenerationRequest, LocalRouter
+from router.scheduling.policy import Policy
 from services.layers import RaggedLayout
 from services.loader import load_model
 from services.model import CausalLM
+from services.model_config import default_tap_layers
 from services.registry import resolve_model
-from services.tensor_parallel import TensorParallelDriver, follow, init_group, shard_model
-from services.training.drafter_data import default_tap_layers
 from services.types import SamplingParams
 from tests.drafters import OracleProposer
 from verifier_worker.engine import Engine, EngineConfig
 from verifier_worker.kv_cache import KVCache
 from verifier_worker.profile import profile_sps
+from verifier_worker.tensor_parallel import TensorParallelDriver, follow, init_group, shard_model
 
 WORLD = 2
 MAX_TOKENS = 24

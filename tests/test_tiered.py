@@ -9,23 +9,25 @@ import grpc
 import pytest
 import torch
 
+from cluster.launcher import start_tier, start_tiers
+from drafter_worker.main import drafter_service
+from drafter_worker.service import LocalDrafter
 from protos import codec
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import GrpcServer, channel
-from router.grpc_server import RouterServicer
-from router.grpc_tiers import GrpcDrafter, GrpcVerifier
-from router.launcher import start_tier, start_tiers
-from router.policy import Policy
-from router.roles import drafter_service, verifier_service
+from router.api.grpc import RouterServicer
 from router.router import Router, RouterConfig
+from router.scheduling.policy import Policy
 from router.session import RouterRequest, Speculation
-from router.tiers import LocalDrafter, LocalVerifier
+from router.tiers.grpc import GrpcDrafter, GrpcVerifier
 from services.errors import InvalidRequestError, TierUnavailableError
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
 from services.types import SamplingParams
 from tests.tiers import PROMPTS, TARGET, drafter_settings, plain_greedy, verifier_settings
+from verifier_worker.main import verifier_service
+from verifier_worker.service import LocalVerifier
 
 METHODS = {"dspark", "dflash", "eagle3", "mtp"}
 MIX = [("none", "none"), ("dspark", "fixed"), ("mtp", "mtp1"), ("eagle3", "fixed"), ("dflash", "threshold"),

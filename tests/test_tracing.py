@@ -8,16 +8,17 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from drafter_worker.main import drafter_service
 from drafter_worker.server import DrafterServicer
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import GrpcServer
-from router.grpc_tiers import GrpcDrafter, GrpcVerifier
-from router.policy import Policy
-from router.roles import drafter_service, verifier_service
 from router.router import Router, RouterConfig
+from router.scheduling.policy import Policy
 from router.session import RouterRequest, Speculation
+from router.tiers.grpc import GrpcDrafter, GrpcVerifier
 from services.types import SamplingParams
 from tests.tiers import drafter_settings, verifier_settings
+from verifier_worker.main import verifier_service
 from verifier_worker.server import VerifierServicer
 
 

@@ -8,12 +8,12 @@ import json
 import torch
 import transformers
 
-from router.cli import main
+from cli.main import main
 from services.loader import load_model
 from services.registry import list_models, resolve_model
-from services.training.schedule import warmup_cosine
-from services.training.target import TargetTrainConfig, train
 from tests.conftest import full_forward
+from training.schedule import warmup_cosine
+from training.target import TargetTrainConfig, train
 
 
 def _config(corpus, tmp_path, tokens: int) -> TargetTrainConfig:

@@ -11,16 +11,18 @@ from contextlib import contextmanager
 import pytest
 import uvicorn
 
-from router.http_api import ApiConfig, build_app
-from router.launcher import RedisProcess, start_tiers
-from router.local import GenerationRequest, LocalRouter
-from router.roles import build_router, tier_health
-from router.serve_config import DrafterSettings, RouterSettings, VerifierSettings
+from cluster.launcher import RedisProcess, start_tiers
+from drafter_worker.settings import DrafterSettings
+from router.api.http import ApiConfig, build_app
+from router.main import build_router, tier_health
+from router.offline import GenerationRequest, LocalRouter
+from router.settings import RouterSettings
 from services.loader import load_model
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
 from services.types import SamplingParams
 from verifier_worker.engine import Engine, EngineConfig
+from verifier_worker.settings import VerifierSettings
 
 TARGET = "dspark-target"
 PROMPTS = ["def fibonacci(n):", "import os\n\n", "<|user|>\nWhat is 12 + 30?<|end|>\n<|assistant|>\n",

@@ -1,4 +1,4 @@
-"""SPS(B): verifier engine steps per second at B batch tokens (DESIGN §5).
+"""SPS(B): verifier engine steps per second at B batch tokens (docs/design.md §5).
 
 Each point times one forward of B new tokens spread over ceil(B / tokens_per_request) requests,
 each with `context` tokens already cached and logits wanted at every new token (a verify step).

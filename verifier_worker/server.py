@@ -1,4 +1,4 @@
-"""gRPC shell of the verifier tier: `dspark.v1.Verifier` over a `VerifierService` (DESIGN §4–5).
+"""gRPC shell of the verifier tier: `dspark.v1.Verifier` over a `VerifierService` (docs/design.md §4–5).
 
 Each Verify stream carries one request's cycles. When the stream ends because the client cancelled it
 or finished, the request's KV slot is freed; when the server rejects a message (stale cycle, bad

@@ -22,35 +22,19 @@ import torch
 from services.batching import StepTimer, compute_thread, gather_window
 from services.errors import InvalidRequestError, StaleCycleError, TierUnavailableError
 from services.lease import Lease
-from services.types import DraftBlock, OutcomeKind, SamplingParams, StepOutput
+from services.types import (
+    DraftBlock,
+    OutcomeKind,
+    Prefilled,
+    SamplingParams,
+    StepOutput,
+    Verified,
+    VerifierLoad,
+    VerifierProfile,
+)
 from verifier_worker.engine import Engine
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Prefilled:
-    emitted: list[int]  # [1] the first token; empty when resumed
-    committed: int  # committed tokens: prompt + emitted (+ resumed)
-    features: torch.Tensor | None  # [committed − 1, T*d] every position before the anchor
-
-
-@dataclass(slots=True)
-class Verified:
-    output: StepOutput
-    committed: int
-
-
-@dataclass(slots=True)
-class VerifierLoad:
-    running: int
-    waiting: int
-    kv_used: int
-    kv_total: int
-    step_ms_ema: float
-    steps: int
-    streams: int
-    batch_tokens: int  # tokens in the last step
 
 
 @dataclass(slots=True)
@@ -215,3 +199,25 @@ class VerifierService:
                 for rid, s in list(self._sessions.items()):
                     if s.waiter is None and s.lease.expired(self.lease_s, now):
                         self._drop(rid, TierUnavailableError("lease expired"))
+
+
+class LocalVerifier:
+    """A `VerifierService` in this process, as the router's `VerifierTier` (tests, benchmarks, embedded use)."""
+
+    def __init__(self, service: VerifierService, profile: VerifierProfile | None = None):
+        self.service, self._profile = service, profile or VerifierProfile("local")
+
+    async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent) -> Prefilled:
+        return await self.service.prefill(request_id, prompt_ids, params, resume_ids)
+
+    async def verify(self, request_id, cycle, draft, traceparent) -> Verified:
+        return await self.service.verify(request_id, cycle, draft)
+
+    async def release(self, request_id) -> None:
+        await self.service.release(request_id)
+
+    def forget(self, request_id) -> None:
+        """Nothing to cut: in process there is no stream (a pool calls this when it gives up on a replica)."""
+
+    async def profile(self) -> VerifierProfile:
+        return self._profile

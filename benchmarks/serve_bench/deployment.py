@@ -39,9 +39,9 @@ def started(config: Path | None, log: Path) -> Iterator[str]:
     """`dspark serve` on a free port for the run, as `dspark bench` starts it → its base URL.
 
     RAY_ADDRESS=local: without it a local instance is not what Ray starts when a `ray start` cluster runs on
-    this host (it joins that one, and dies with it), since router/ray_local.py gives `ray.init` no address.
+    this host (it joins that one, and dies with it), since cluster/ray_local.py gives `ray.init` no address.
     """
-    from router.cli_bench import serve_locally
+    from benchmarks.serve_bench.local_server import serve_locally
 
     log.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
@@ -71,7 +71,7 @@ def label(proc: psutil.Process) -> str | None:
     if not first.split("/")[-1].startswith("python"):
         return first.split("/")[-1]
     for i, word in enumerate(cmd[1:], 1):
-        if word.endswith(("router.cli", "/dspark")):
+        if word.endswith(("cli.main", "/dspark")):
             return " ".join(["dspark", *cmd[i + 1:i + 2]])
         if word.endswith(tuple(_SCRIPTS)):
             return _SCRIPTS[word.split("/")[-1]]
@@ -111,12 +111,12 @@ def gcs_address(procs: list[psutil.Process]) -> str | None:
 
 def replica_addresses(ray_address: str, namespace: str = "dspark") -> dict[str, list[str]]:
     """pool → gRPC addresses of its serving replicas, from the controller's status (a short-lived Ray driver)."""
-    from router.ray_local import join
+    from cluster.ray_local import join
 
     join(ray_address, namespace)
     import ray
 
-    from router.controller import CONTROLLER
+    from cluster.controller import CONTROLLER
 
     try:
         status = ray.get(ray.get_actor(CONTROLLER, namespace=namespace).status.remote(), timeout=60)

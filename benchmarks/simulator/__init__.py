@@ -1,7 +1,7 @@
 """`dspark simulate`: a discrete-event model of a dspark cluster (router, drafter pool, verifier pool).
 
-Modules: `model` (contracts: costs, arms, workload, results), `policies` (verify-length policies, the
-scheduled dspark budget through `router.budget.plan_budget`), `engine` (the event loop), `metrics` (bench-style
+Modules: `model` (contracts: costs, arms, workload, results), `policies` (verify-length policies, the scheduled
+dspark budget through `router.scheduling.budget.plan_budget`), `engine` (the event loop), `metrics` (bench-style
 reduction), `calibrate` (constants from a `dspark bench` run and an SPS profile), `studies` (validation, scale,
 drafter:verifier ratio) and `report` (markdown and PNG plots).
 """

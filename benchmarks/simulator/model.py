@@ -1,8 +1,9 @@
 """The simulator's contracts: what a cluster costs, what an arm does, what load it sees, what comes out.
 
-Everything is in seconds and tokens. The verifier's cost is its profiled step time (`router.scheduler.SpsCurve`,
-piecewise-linear in batch tokens B and extrapolated linearly past the table), so a profile from any machine
-(this CPU's, or an illustrative GPU's) drops in; the rest of a cycle is a few calibrated constants.
+Everything is in seconds and tokens. The verifier's cost is its profiled step time
+(`router.scheduling.algorithm1.SpsCurve`, piecewise-linear in batch tokens B and extrapolated linearly past the
+table), so a profile from any machine (this CPU's, or an illustrative GPU's) drops in; the rest of a cycle is a
+few calibrated constants.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from router.scheduler import SpsCurve
+from router.scheduling.algorithm1 import SpsCurve
 
 POLICIES = ("none", "mtp1", "fixed", "dspark")
 
@@ -27,7 +28,7 @@ class StepProfile:
         return self.curve.ms(batch_tokens) / 1000.0 / self.speed
 
     def sps(self, batch_tokens: int) -> float:
-        """Steps per second at B, the form `router.budget.plan_budget` takes."""
+        """Steps per second at B, the form `router.scheduling.budget.plan_budget` takes."""
         return 1.0 / self.step_s(batch_tokens)
 
     @classmethod

@@ -1,9 +1,10 @@
 """Verify-length policies and draft blocks in simulated time.
 
-`SimBudget` is the router's `router.budget.VerifyBudget` itself on simulated time: the same state (each active
-request's previous-block survivals, EMAs of a plain and a drafting cycle's time beyond the profiled step, the
-probe schedule while drafting does not pay) and the same search, `router.budget.plan_budget`.
-The plan never sees the block it trims: a block's survivals are recorded only after it is trimmed.
+`SimBudget` is the router's `router.scheduling.budget.VerifyBudget` itself on simulated time: the same state
+(each active request's previous-block survivals, EMAs of a plain and a drafting cycle's time beyond the profiled
+step, the probe schedule while drafting does not pay) and the same search,
+`router.scheduling.budget.plan_budget`. The plan never sees the block it trims: a block's survivals are recorded
+only after it is trimmed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import random
 from dataclasses import dataclass
 
 from benchmarks.simulator.model import Arm, StepProfile
-from router.budget import Plan, VerifierView, VerifyBudget
+from router.scheduling.budget import Plan, VerifierView, VerifyBudget
 
 OWN_LOAD = VerifierView()  # the simulated router sees no other router's requests
 

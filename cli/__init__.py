@@ -1,0 +1,1 @@
+"""The `dspark` command: parses flags and composes the packages below it."""

@@ -1,0 +1,194 @@
+"""`dspark data target-cache`, `dspark train drafter`, `dspark calibrate`, `dspark eval`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+
+from drafter_worker.config import HeadType, Method
+
+DRAFTER_METHODS = tuple(m.value for m in Method)
+
+
+def add_cache_parser(data_sub) -> None:
+    p = data_sub.add_parser("target-cache", help="target rollouts on train/val prompts and their feature caches")
+    p.add_argument("--target", default="dspark-target")
+    p.add_argument("--data-dir", type=Path, default=Path("build/data"))
+    p.add_argument("--cache-dir", type=Path, help="default: build/drafters/TARGET")
+    p.add_argument("--prompts-per-domain", type=int, default=1200)
+    p.add_argument("--val-per-domain", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8, help="the target's sampling temperature for rollouts")
+    p.add_argument("--top-p", type=float, default=0.95)
+
+
+def add_train_parser(train_sub) -> None:
+    p = train_sub.add_parser("drafter", help="train a drafter on the target cache (resumable)")
+    p.add_argument("--method", required=True, choices=DRAFTER_METHODS)
+    p.add_argument("--target", default="dspark-target")
+    p.add_argument("--head", default="markov", choices=[h.value for h in HeadType], help="dspark sequential head")
+    p.add_argument("--data-dir", type=Path, default=Path("build/data"))
+    p.add_argument("--cache-dir", type=Path, help="default: build/drafters/TARGET (built when missing)")
+    p.add_argument("--run-dir", type=Path, help="resumable state; default: CACHE_DIR/runs/METHOD")
+    p.add_argument("--out", type=Path, help="exported drafter; default: models/TARGET-METHOD")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch-sequences", type=int, default=8)
+    p.add_argument("--anchors", type=int, default=24, help="anchors per sequence")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=42)
+
+
+def _cache_dir(args) -> Path:
+    return args.cache_dir or Path("build/drafters") / args.target
+
+
+def _log():
+    console = Console(stderr=True)
+    return lambda msg: console.print(msg, markup=False, highlight=False)
+
+
+def run_target_cache(args: argparse.Namespace) -> int:
+    from training.drafter_data import prepare
+    from training.rollouts import RolloutConfig
+
+    cfg = RolloutConfig(prompts_per_domain=args.prompts_per_domain, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, top_p=args.top_p)
+    caches = prepare(args.target, _cache_dir(args), args.data_dir, cfg, val_per_domain=args.val_per_domain)
+    _log()(f"target caches: {', '.join(str(c) for c in caches.values())}")
+    return 0
+
+
+def run_train_drafter(args: argparse.Namespace) -> int:
+    from tokenizers import Tokenizer
+
+    from drafter_worker.config import default_config
+    from services.chat_template import MASK
+    from services.loader import load_model
+    from services.registry import resolve_model
+    from training.drafter import DrafterTrainConfig, train
+    from training.drafter_data import prepare
+    from training.rollouts import RolloutConfig
+    from training.target_cache import TargetCache
+
+    cache_dir = _cache_dir(args)
+    caches = prepare(args.target, cache_dir, args.data_dir, RolloutConfig())
+    train_cache, val_cache = TargetCache(caches["train"]), TargetCache(caches["val"])
+    target_dir = resolve_model(args.target)
+    mask_id = Tokenizer.from_file(str(target_dir / "tokenizer.json")).token_to_id(MASK)
+    dcfg = default_config(args.method, target_dir.name, train_cache.tap_layers, mask_id, args.head)
+    suffix = args.method if args.method != "dspark" or args.head == "markov" else f"dspark-{args.head}"
+    cfg = DrafterTrainConfig(
+        run_dir=args.run_dir or cache_dir / "runs" / suffix, out_dir=args.out or Path("models") /
+        f"{target_dir.name}-{suffix}", steps=args.steps, batch_sequences=args.batch_sequences,
+        anchors_per_sequence=args.anchors, lr=args.lr, eval_every=args.eval_every, seed=args.seed)
+    target = load_model(target_dir, "float32", "cpu")
+    out = train(dcfg, target, train_cache, val_cache, cfg, log=_log())
+    _log()(f"exported the drafter to {out}")
+    return 0
+
+
+def add_eval_parsers(sub) -> None:
+    cal = sub.add_parser("calibrate", help="fit Sequential Temperature Scaling of a drafter's confidences")
+    cal.add_argument("--target", default="dspark-target")
+    cal.add_argument("--drafter", required=True, help="drafter name or directory (calibration.json is written there)")
+    cal.add_argument("--data-dir", type=Path, default=Path("build/data"), help="held-out prompts: the val split")
+    cal.add_argument("--prompts-per-domain", type=int, default=32)
+    cal.add_argument("--gamma", type=int, default=7)
+    cal.add_argument("--temperature", type=float, default=1.0, help="the serving temperature")
+    cal.add_argument("--max-tokens", type=int, default=96)
+    cal.add_argument("--batch", type=int, default=16)
+
+    ev = sub.add_parser("eval", help="τ, per-position acceptance and confidence calibration of drafters")
+    ev.add_argument("--target", default="dspark-target")
+    ev.add_argument("--drafter", required=True, help="comma-separated drafter names/directories, or 'all'")
+    ev.add_argument("--datasets", default="code,math,chat")
+    ev.add_argument("--datasets-dir", type=Path, default=Path("benchmarks/datasets"))
+    ev.add_argument("--gamma", default="7", help="comma-separated γ values (mtp always drafts 1)")
+    ev.add_argument("--temperature", default="1", help="comma-separated temperatures")
+    ev.add_argument("--batch", default="1,16", help="comma-separated batch sizes (1 = DeepSpec's setting)")
+    ev.add_argument("--prompts", type=int, default=24, help="prompts per dataset")
+    ev.add_argument("--max-tokens", type=int, default=96)
+    ev.add_argument("--out-dir", type=Path, default=Path("build/eval"), help="JSON, Markdown and PNG files")
+    ev.add_argument("--markdown", type=Path, help="also write the Markdown report here")
+    ev.add_argument("--json", action="store_true", help="print the JSON report on stdout")
+
+
+def _load_pair(target_name: str, drafter: str):
+    from drafter_worker.checkpoint import drafter_config, load_drafter
+    from services.loader import load_model
+    from services.registry import resolve_model
+
+    drafter_dir = resolve_model(drafter)
+    target = load_model(resolve_model(target_name), "float32", "cpu", tap_layers=drafter_config(drafter_dir).tap_layers)
+    model, calibration = load_drafter(drafter_dir, target, "float32")
+    return target, model, calibration, drafter_dir
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from drafter_worker.calibration import fit_sts
+    from drafter_worker.drafter import Drafter
+    from services.registry import resolve_model
+    from services.tokenizer import TextTokenizer
+    from services.types import SamplingParams
+    from training.eval import evaluate
+    from training.rollouts import prompts
+
+    target, model, _, drafter_dir = _load_pair(args.target, args.drafter)
+    if model.dconfig.confidence_head is False:
+        raise ValueError(f"{drafter_dir.name} has no confidence head to calibrate")
+    tok = TextTokenizer.from_dir(resolve_model(args.target))
+    ids = [tok.encode(text)[-256:] for _, _, text in prompts(args.data_dir, "val", args.prompts_per_domain, 1)]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=1)
+    run = evaluate.run(target, Drafter(model), ids, args.gamma, params, tok.eos_token_ids, args.batch)
+    z, labels, valid = run.cycles.tensors(args.gamma)
+    calibration = fit_sts(z, labels, valid, serving_temperature=args.temperature)
+    calibration.save(drafter_dir / "calibration.json")
+    _log()(f"STS on {len(z)} held-out cycles: T_k = {[round(t, 3) for t in calibration.position_temperatures]}; "
+           f"ECE {[round(100 * e, 1) for e in calibration.ece_before]}% → "
+           f"{[round(100 * e, 1) for e in calibration.ece_after]}%; wrote {drafter_dir / 'calibration.json'}")
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    import json
+    import sys
+
+    from drafter_worker.drafter import Drafter
+    from services.registry import list_models, resolve_model
+    from services.tokenizer import TextTokenizer
+    from training.eval.report import EvalSpec, command_line, evaluate_drafter, markdown, read_prompts
+
+    names = ([e.name for e in list_models() if e.kind == "drafter" and e.target == args.target]
+             if args.drafter == "all" else args.drafter.split(","))
+    spec = EvalSpec(datasets=tuple(args.datasets.split(",")), gammas=tuple(int(g) for g in args.gamma.split(",")),
+                    temperatures=tuple(float(t) for t in args.temperature.split(",")),
+                    batches=tuple(int(b) for b in args.batch.split(",")), prompts=args.prompts,
+                    max_tokens=args.max_tokens)
+    tok = TextTokenizer.from_dir(resolve_model(args.target))
+    prompt_ids = {d: read_prompts(args.datasets_dir, d, spec.prompts, tok) for d in spec.datasets}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    report = {"command": command_line(sys.argv[1:]), "target": args.target, "datasets": list(spec.datasets),
+              "prompts": spec.prompts,
+              "max_tokens": spec.max_tokens, "drafters": {}}
+    log = _log()
+    for name in names:
+        target, model, calibration, _ = _load_pair(args.target, name)
+        gammas = (1,) if model.dconfig.block_size == 1 else spec.gammas
+        runs = []
+        for gamma in gammas:
+            for temperature in spec.temperatures:
+                plot = args.out_dir / f"reliability-{name}-g{gamma}-t{temperature:g}.png"
+                runs.append(evaluate_drafter(target, Drafter(model, calibration), calibration, prompt_ids, spec,
+                                             tok.eos_token_ids, gamma, temperature, plot, log))
+        report["drafters"][name] = runs
+    text = markdown(report)
+    (args.out_dir / "eval.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out_dir / "eval.md").write_text(text)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(text)
+    sys.stdout.write(json.dumps(report) + "\n" if args.json else text)
+    return 0

@@ -1,0 +1,103 @@
+"""Deployment settings of `dspark serve`: every role's section, the Ray pools, Ray itself, the autoscaler."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, model_validator
+
+from drafter_worker.settings import DrafterSettings
+from router.settings import RouterSettings
+from services.settings import Settings
+from services.tls import TlsSettings, read_tls
+from verifier_worker.settings import VerifierSettings
+
+
+class PoolSettings(Settings):
+    """One pool of Ray actors: how many, what each reserves, how they restart."""
+
+    replicas: int = Field(1, ge=0, description="replicas at start (the autoscaler moves it within min..max)")
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(4, ge=1)
+    num_cpus: float = Field(1.0, ge=0, description="logical CPUs per actor (per shard for a TP verifier)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor; fractions let small drafters share one")
+    resources: dict[str, float] = Field({}, description="custom resources per actor, e.g. {verifier_node: 1}")
+    tensor_parallel: int = Field(1, ge=1, description="shards per replica (verifier only): STRICT_PACK "
+                                 "placement group, torch.distributed gloo/nccl")
+    max_restarts: int = Field(-1, ge=-1, description="Ray restarts of a crashed actor (-1: always)")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PoolSettings:
+        if not self.min_replicas <= self.replicas <= self.max_replicas:
+            raise ValueError(f"replicas {self.replicas} outside [min_replicas {self.min_replicas}, "
+                             f"max_replicas {self.max_replicas}]")
+        return self
+
+
+class PoolsSettings(Settings):
+    verifier: PoolSettings = PoolSettings()
+    drafter: PoolSettings = PoolSettings()
+
+    @model_validator(mode="after")
+    def _drafters_unsharded(self) -> PoolsSettings:
+        if self.drafter.tensor_parallel != 1:
+            raise ValueError("drafter replicas are not sharded: pools.drafter.tensor_parallel must be 1")
+        return self
+
+
+class RaySettings(Settings):
+    address: str | None = Field(None, description="join this Ray cluster (auto, host:port, ray://...); null: "
+                                "start a local instance on 127.0.0.1")
+    namespace: str = Field("dspark", description="Ray namespace of the named actors (controller, replicas)")
+    num_cpus: int | None = Field(None, ge=1, description="logical CPUs of a local instance (null: the machine's)")
+
+
+class AutoscalerSettings(Settings):
+    """Scales each pool from the load board: verifier saturation, drafter queueing."""
+
+    enabled: bool = False
+    interval_s: float = Field(2.0, gt=0, description="how often the board is read")
+    verifier_high: float = Field(0.85, gt=0, description="scale verifiers up above this mean saturation")
+    verifier_low: float = Field(0.3, ge=0, description="... and down below it")
+    drafter_high: float = Field(2.0, gt=0, description="scale drafters up above this many queued drafts per replica")
+    drafter_low: float = Field(0.25, ge=0, description="... and down below it")
+    upscale_delay_s: float = Field(10.0, ge=0, description="a signal must hold this long before scaling up")
+    downscale_delay_s: float = Field(60.0, ge=0, description="... and this long before scaling down")
+    cooldown_s: float = Field(30.0, ge=0, description="no second change of a pool within this time")
+    drain_timeout_s: float = Field(30.0, ge=0, description="a replica being removed takes no new requests and "
+                                   "is killed once idle or after this long")
+
+
+class ServeSettings(Settings):
+    tls: TlsSettings | None = Field(None, description="TLS of every gRPC hop: the replicas serve with it, the "
+                                    "router connects with it (a role section's own tls: wins)")
+    verifier: VerifierSettings = VerifierSettings()
+    drafter: DrafterSettings = DrafterSettings()
+    router: RouterSettings = RouterSettings()
+    ray: RaySettings = RaySettings()
+    pools: PoolsSettings = PoolsSettings()
+    autoscaler: AutoscalerSettings = AutoscalerSettings()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tls_to_every_role(cls, data):
+        """Before the roles validate, so a server role without cert/key is refused as if it said tls: itself."""
+        if not isinstance(data, dict) or data.get("tls") is None:
+            return data
+        data = dict(data)
+        for role in ("verifier", "drafter", "router"):
+            section = data.get(role, {})
+            if isinstance(section, BaseModel):
+                section = section.model_dump(exclude_unset=True)
+            if section.get("tls") is None:
+                data[role] = {**section, "tls": data["tls"]}
+        return data
+
+
+def preflight(settings: ServeSettings) -> None:
+    """What would otherwise fail in every replica, over and over: unreadable TLS files (this host's copies;
+    a cluster's nodes need the same paths), a load board that refuses the URL's credentials."""
+    from services.load_board import connect_board
+
+    for role in (settings.verifier, settings.drafter, settings.router):
+        read_tls(role.tls)
+    if settings.router.redis_url:
+        connect_board(settings.router.redis_url).client.close()

@@ -1,0 +1,60 @@
+"""The drafter process's composition root: load the target's embeddings and the drafters, serve gRPC.
+
+`python -m drafter_worker [--config FILE] [--FLAG VALUE ...]` runs one drafter (as `dspark drafter` does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from drafter_worker.checkpoint import drafter_config, load_drafter
+from drafter_worker.drafter import Drafter
+from drafter_worker.server import DrafterServicer
+from drafter_worker.service import DrafterService
+from drafter_worker.settings import DrafterSettings
+from protos.dspark.v1 import dspark_pb2_grpc as rpc
+from protos.serving import GrpcServer
+from protos.tier import RunningTier, open_board, role_tracer, set_threads, start_publisher
+from services.errors import InvalidRequestError
+from services.loader import load_model
+from services.registry import list_models, resolve_model
+from services.tls import read_tls
+
+
+def drafter_service(s: DrafterSettings) -> DrafterService:
+    names = s.drafters or [e.name for e in list_models() if e.target == Path(s.model).name]
+    if not names:
+        raise InvalidRequestError(f"no drafters given and none shipped for {s.model}")
+    configs = {name: drafter_config(resolve_model(name)) for name in names}
+    taps = {c.tap_layers for c in configs.values()}
+    if len(taps) != 1:
+        raise InvalidRequestError(f"drafters of one replica must share tap layers, got {sorted(taps)}")
+    device = None if s.device == "auto" else s.device
+    target = load_model(resolve_model(s.model), s.dtype, device, tap_layers=taps.pop())
+    proposers, block_sizes = {}, {}
+    for name, cfg in configs.items():
+        method = str(cfg.method)
+        if method in proposers:
+            raise InvalidRequestError(f"two {method} drafters given; a replica hosts one per method")
+        model, calibration = load_drafter(name, target, s.dtype, device)
+        proposers[method], block_sizes[method] = Drafter(model, calibration, s.max_q, s.seed), cfg.block_size
+    order = sorted(proposers, key=lambda m: m != "dspark")  # dspark first: the default method
+    return DrafterService({m: proposers[m] for m in order}, block_sizes, s.batch_window_ms / 1000, lease_s=s.lease_s)
+
+
+async def start_drafter(s: DrafterSettings) -> RunningTier:
+    set_threads(s.threads)
+    tls, board = read_tls(s.tls), open_board(s.redis_url)
+    tracer = role_tracer("dspark-drafter", s)
+    service = await asyncio.to_thread(drafter_service, s)
+    server = GrpcServer(s.host, s.port, ["dspark.v1.Drafter"], tls)
+    rpc.add_DrafterServicer_to_server(DrafterServicer(service, tracer), server.server)
+    await service.start()
+    await server.start()
+
+    def snapshot() -> dict:
+        load = service.load()
+        return {"running": load.contexts, "queued": load.queued, "step_ms_ema": load.step_ms_ema}
+
+    return RunningTier(server, service.stop, start_publisher(board, "drafter", server, snapshot, []), snapshot)

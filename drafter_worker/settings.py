@@ -1,0 +1,24 @@
+"""Settings of a drafter process (`python -m drafter_worker`, a drafter replica)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from services.settings import GrpcServerSettings, Traces
+
+
+class DrafterSettings(GrpcServerSettings):
+    model: str = Field("dspark-target", description="the target the drafters belong to")
+    drafters: list[str] | None = Field(None, description="drafters to host; default: every shipped one of model")
+    host: str = "127.0.0.1"
+    port: int = Field(50052, ge=0, le=65535)
+    dtype: str = "auto"
+    device: str = "auto"
+    threads: int = Field(0, ge=0)
+    max_q: int = Field(64, ge=1, description="support size K of the sparse draft distribution q'")
+    lease_s: float = Field(60.0, gt=0, description="free a draft context no stream has carried for this long")
+    batch_window_ms: float = Field(5.0, ge=0, description="how long a propose waits for the rest of its sessions")
+    redis_url: str | None = Field(None, description="publish load to this Redis")
+    seed: int = 0
+    traces: Traces = "none"
+    otlp_traces_endpoint: str | None = None

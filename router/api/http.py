@@ -1,0 +1,272 @@
+"""The OpenAI-compatible HTTP API over a `Router` (FastAPI + uvicorn + sse-starlette).
+
+Routes: /v1/completions, /v1/chat/completions (streaming or not), /v1/models, /health (503 when a
+tier is down), /metrics (Prometheus), /version. Errors are OpenAI-shaped (`http_errors.py`): 400 for
+bad input, 401 for a missing or wrong API key, 413 for a body over the cap, 429 with Retry-After when
+full. Streaming sends one SSE chunk per cycle, then `[DONE]`; errors after the 200 arrive as a data chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from opentelemetry import trace
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from sse_starlette.sse import EventSourceResponse
+
+from router.api.errors import ApiError, documented, error_response, install_error_handlers, known_error
+from router.api.openai import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelList,
+    ResponseShape,
+)
+from router.api.stream import ChunkFeed
+from router.router import Router
+from router.session import Chunk, RouterRequest
+from services.chat_template import render
+from services.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
+VERSION = "0.1.0"
+GUARDED = ("/v1",)  # /health, /metrics and /version stay open for probes and scrapers
+# `stream: true`: one event per cycle; OpenAPI 3.1 has the schema of an event stream describe each event.
+SSE = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"], "properties": {"event": {"type": "string"}, "data": {
+        "type": "string", "description": "a JSON chunk, a JSON error object after a failure, or [DONE] last"}}}}}
+
+
+@dataclass(frozen=True, slots=True)
+class ApiConfig:
+    model: str
+    max_model_len: int
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 4 * 2**20  # the largest request body read; larger ones get 413 unread
+
+
+async def _read_capped(receive, cap: int, declared: str | None) -> list[dict] | None:
+    """The request's body messages, or None once they pass `cap` bytes (at once if Content-Length says so)."""
+    if declared is not None and declared.isdecimal() and int(declared) > cap:
+        return None
+    messages, size = [], 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":  # the client left: the app sees the disconnect
+            return messages
+        size += len(message.get("body", b""))
+        if size > cap:
+            return None
+        if not message.get("more_body", False):
+            return messages
+
+
+def _replay(messages: list[dict], receive):
+    async def replayed():
+        return messages.pop(0) if messages else await receive()  # then disconnects, which SSE listens for
+    return replayed
+
+
+class Gatekeeper:
+    """Pure ASGI middleware (BaseHTTPMiddleware would feed SSE a spurious disconnect): checks
+    `Authorization: Bearer KEY` on /v1 by SHA-256 digest and constant-time compare, reads the body up to
+    the cap (FastAPI would buffer it anyway), and echoes or assigns `X-Request-Id` (also the root of our
+    internal request id) on every response, errors included."""
+
+    def __init__(self, app, digests: list[bytes], max_body_bytes: int):
+        self.app, self.digests, self.max_body_bytes = app, digests, max_body_bytes
+
+    def _authorized(self, scope, headers: dict[str, str]) -> bool:
+        if not self.digests or not scope["path"].startswith(GUARDED) or scope["method"] == "OPTIONS":
+            return True
+        header = headers.get("authorization", "")
+        given = hashlib.sha256(header.removeprefix("Bearer ").encode("latin-1")).digest()  # the bytes as sent
+        return header.startswith("Bearer ") and any([secrets.compare_digest(given, d) for d in self.digests])
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        if not self._authorized(scope, headers):
+            return await error_response(401, "Unauthorized", code="invalid_api_key")(scope, receive, send_with_id)
+        body = await _read_capped(receive, self.max_body_bytes, headers.get("content-length"))
+        if body is None:
+            return await error_response(413, f"request body exceeds {self.max_body_bytes} bytes",
+                                        code="request_too_large")(scope, receive, send_with_id)
+        await self.app(scope, _replay(body, receive), send_with_id)
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unavailable"]
+    tiers: dict[str, bool]
+
+
+class Admission:
+    """Turns a validated body into a `RouterRequest`, or raises the 400 or 429 that says why not."""
+
+    def __init__(self, router: Router, tokenizer: TextTokenizer, config: ApiConfig):
+        self.router, self.tokenizer, self.config = router, tokenizer, config
+        # Tokenizing is slow and superlinear (a 4 MB prompt holds the event loop for a minute), so a text
+        # that cannot fit is refused by length first: no token spells more characters than the longest one
+        # (special tokens, which decode to nothing here, are short markers).
+        longest = max(len(tokenizer.decode([i])) for i in range(tokenizer.vocab_size))
+        self.max_chars = config.max_model_len * max(longest, 1)
+
+    def __call__(self, body: CompletionRequest | ChatCompletionRequest, request_id: str) -> RouterRequest:
+        if body.model != self.config.model:
+            raise ApiError(400, f"model {body.model!r} does not exist; this server serves {self.config.model!r}",
+                           "model", "model_not_found")
+        prompt_ids = self._prompt_ids(body)
+        eos = () if body.ignore_eos else tuple(self.tokenizer.eos_token_ids)
+        spec = body.speculative.model_dump(exclude_none=True) if body.speculative else None
+        req = RouterRequest(prompt_ids=prompt_ids, params=body.sampling(self._max_tokens(body, len(prompt_ids))),
+                            request_id=f"{request_id}-{uuid.uuid4().hex[:8]}",  # unique if a client reuses its id
+                            stop=body.stops(), speculative=spec,
+                            stop_token_ids=(*eos, *self._in_vocab(body.stop_token_ids or [], "stop_token_ids")))
+        self.router.speculation(spec)  # 400 now for options this deployment does not serve
+        self.router.check_capacity()
+        return req
+
+    def _prompt_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        if isinstance(body, ChatCompletionRequest):
+            return self._encode(render([m.model_dump() for m in body.messages], add_generation_prompt=True),
+                                "messages")
+        if isinstance(body.prompt, str):
+            return self._encode(body.prompt, "prompt")
+        return self._in_vocab(body.prompt, "prompt")
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        if len(text) > self.max_chars:
+            raise ApiError(400, f"the {param} cannot fit this model's maximum context length of "
+                           f"{self.config.max_model_len} tokens", param, "context_length_exceeded")
+        return self.tokenizer.encode(text)
+
+    def _in_vocab(self, ids: list[int], param: str) -> list[int]:
+        if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
+            raise ApiError(400, f"{param} must lie in [0, {self.tokenizer.vocab_size})", param, "invalid_request")
+        return list(ids)
+
+    def _max_tokens(self, body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int) -> int:
+        wanted, room = body.wanted_tokens(), self.config.max_model_len - prompt_tokens
+        if room < 1 or (wanted or 0) > room:
+            raise ApiError(400, f"this model's maximum context length is {self.config.max_model_len} tokens; the "
+                           f"request has {prompt_tokens} prompt tokens and asks for {wanted or 'at least 1'} more",
+                           "max_tokens" if room >= 1 else body.prompt_param, "context_length_exceeded")
+        return wanted or room
+
+
+async def _prepend(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
+def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
+              health: Callable[[], Awaitable[dict[str, bool]]], tracer: trace.Tracer | None = None) -> FastAPI:
+    app = FastAPI(title="dspark", version=VERSION)
+    tracer = tracer or trace.NoOpTracer()
+    digests = [hashlib.sha256(k.encode()).digest() for k in config.api_keys]
+    app.add_middleware(Gatekeeper, digests=digests, max_body_bytes=config.max_body_bytes)
+    install_error_handlers(app)
+    admit = Admission(router, tokenizer, config)
+
+    async def respond(body: CompletionRequest | ChatCompletionRequest, request: Request, kind: str):
+        req = admit(body, request.state.request_id)
+        shape = ResponseShape(kind, f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{request.state.request_id}",
+                              config.model)
+        op = "text_completion" if kind == "completion" else "chat"
+        span = tracer.start_span(f"{op} {config.model}", attributes={
+            "gen_ai.operation.name": op, "gen_ai.request.model": config.model, "gen_ai.request.stream": body.stream,
+            "dspark.http_request_id": request.state.request_id})
+        if body.stream:
+            with trace.use_span(span):  # the feed's task inherits the span as its parent
+                feed = ChunkFeed(router.generate(req))
+            try:
+                first = await feed.first()  # refused before its first token: a status code, not a 200
+            except Exception:
+                span.end()
+                raise
+            return EventSourceResponse(_stream(req, shape, body, span, feed, first), ping=15, sep="\n")
+        with trace.use_span(span, end_on_exit=True):  # errors go to http_errors' handlers
+            text, finish, completion = [], None, 0
+            async with contextlib.aclosing(router.generate(req)) as chunks:
+                async for chunk in chunks:
+                    text.append(chunk.text)
+                    finish, completion = chunk.finish_reason or finish, chunk.completion_tokens
+            return shape.full("".join(text), str(finish), len(req.prompt_ids), completion)
+
+    async def _stream(req: RouterRequest, shape: ResponseShape, body, span, feed: ChunkFeed, first):
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        completion = 0
+        with trace.use_span(span, end_on_exit=True):
+            try:
+                async for chunk in _prepend(first, feed.rest()):
+                    completion = chunk.completion_tokens
+                    if chunk.text or chunk.finish_reason is not None:
+                        yield json.dumps(shape.chunk(chunk))
+            except Exception as error:
+                status, error_chunk = known_error(error)
+                if status == 500:
+                    log.exception("request %s failed", req.request_id)
+                yield json.dumps(error_chunk)
+                return
+            finally:
+                await feed.close()  # the client left midway: stop generating, free the tiers
+            if include_usage:
+                yield json.dumps(shape.usage_chunk(len(req.prompt_ids), completion))
+            yield "[DONE]"
+
+    generation_errors = documented(400, 401, 413, 429, 503)
+
+    @app.post("/v1/completions", responses={200: {"model": CompletionResponse, "content": SSE}, **generation_errors})
+    async def completions(body: CompletionRequest, request: Request):
+        return await respond(body, request, "completion")
+
+    @app.post("/v1/chat/completions",
+              responses={200: {"model": ChatCompletionResponse, "content": SSE}, **generation_errors})
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await respond(body, request, "chat")
+
+    @app.get("/v1/models", responses={200: {"model": ModelList}, **documented(401)})
+    async def models():
+        card = {"id": config.model, "object": "model", "created": int(time.time()), "owned_by": "dspark",
+                "max_model_len": config.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health", responses={200: {"model": Health}, 503: {"model": Health, "description": "a tier is down"}})
+    async def healthz():
+        tiers = await health()
+        return JSONResponse({"status": "ok" if all(tiers.values()) else "unavailable", "tiers": tiers},
+                            200 if all(tiers.values()) else 503)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    return app

@@ -1,0 +1,101 @@
+"""The router process's composition root: pools of tier clients, the router core, the HTTP (and gRPC) fronts."""
+
+from __future__ import annotations
+
+import asyncio
+from functools import partial
+
+import uvicorn
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.dspark.v1 import dspark_pb2_grpc as rpc
+from protos.serving import GrpcServer
+from protos.tier import role_tracer
+from router.api.grpc import RouterServicer
+from router.api.http import ApiConfig, build_app
+from router.router import Router, RouterConfig
+from router.scheduling.board_view import BoardView
+from router.scheduling.planner import VerifyPlanner
+from router.scheduling.policy import Policy
+from router.session import Speculation
+from router.settings import RouterSettings
+from router.tiers.grpc import GrpcDrafter, GrpcVerifier
+from router.tiers.pooled import Discovery, Pools, StaticDiscovery
+from services.load_board import connect_board
+from services.registry import resolve_model
+from services.tls import read_tls
+from services.tokenizer import TextTokenizer
+
+
+def build_router(s: RouterSettings, tracer=None, discovery: Discovery | None = None,
+                 with_drafter: bool | None = None) -> tuple[Router, TextTokenizer, Pools]:
+    """The router over pools of verifier and drafter replicas: `discovery` (e.g. the Ray controller) or
+    the fixed addresses of the settings. Start `pools.run` with the router (`router.start(pools.run)`)."""
+    tls = read_tls(s.tls)  # read once: every replica's channel uses the same material
+    model_dir = resolve_model(s.model)
+    tokenizer = TextTokenizer.from_dir(model_dir)
+    with_drafter = bool(s.drafter) if with_drafter is None else with_drafter
+    discovery = discovery or StaticDiscovery(_addresses(s.verifier), _addresses(s.drafter or ""))
+    pools = Pools(discovery, partial(GrpcVerifier, timeout_s=s.verifier_timeout_s, tls=tls),
+                  partial(GrpcDrafter, timeout_s=s.drafter_timeout_s, tls=tls) if with_drafter else None, _close,
+                  down_s=s.replica_down_s)
+    policy = Policy(s.policy) if s.method != "none" else Policy.NONE
+    config = RouterConfig(default=Speculation(s.method, policy, s.gamma), max_gamma=s.max_gamma,
+                          threshold=s.threshold, max_running=s.max_running, max_queue=s.max_queue,
+                          verifier_retry_s=s.verifier_retry_s)
+    name = s.served_model_name or model_dir.name
+    board = BoardView(connect_board(s.redis_url), s.board_stale_ms / 1000) if s.redis_url else None
+    router = Router(pools.verifier, pools.drafter, set(s.methods), config, tokenizer, tracer, model=name,
+                    planner=VerifyPlanner(s.threshold, board, pools.verifier.engine_of))
+    pools.metrics = router.metrics
+    return router, tokenizer, pools
+
+
+def _addresses(text: str) -> list[str]:
+    return [a.strip() for a in text.split(",") if a.strip()]
+
+
+async def _close(client: GrpcVerifier | GrpcDrafter) -> None:
+    await client.close()
+
+
+async def tier_health(pools: Pools) -> dict[str, bool]:
+    """Whether each pool has a replica whose grpc.health.v1 says SERVING, over the router's own channels."""
+    async def ok(client: GrpcVerifier | GrpcDrafter) -> bool:
+        try:
+            reply = await health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(),
+                                                                           timeout=1.0)
+        except Exception:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def any_ok(clients: list) -> bool:
+        return any(await asyncio.gather(*(ok(c) for c in clients)))
+
+    tiers = {"verifier": await any_ok(pools.verifiers.clients())}
+    if pools.drafters is not None:
+        tiers["drafter"] = await any_ok(pools.drafters.clients())
+    return tiers
+
+
+async def run_router(s: RouterSettings, discovery: Discovery | None = None, with_drafter: bool | None = None) -> None:
+    tracer = role_tracer("dspark-router", s)
+    router, tokenizer, pools = build_router(s, tracer, discovery, with_drafter)
+    config = ApiConfig(router.model, s.max_model_len, tuple(s.api_key or ()), s.max_body_bytes)
+    app = build_app(router, tokenizer, config, lambda: tier_health(pools), tracer)
+    server = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.port, log_level="info", access_log=False))
+    grpc_server = None
+    if s.grpc_port is not None:
+        # A client-facing service: its messages are prompts, capped like the HTTP API's bodies.
+        grpc_server = GrpcServer("127.0.0.1", s.grpc_port, ["dspark.v1.Router"], max_receive_bytes=s.max_body_bytes)
+        rpc.add_RouterServicer_to_server(RouterServicer(router, tokenizer, s.max_model_len), grpc_server.server)
+        await grpc_server.start()
+    await pools.refresh()
+    await router.start(pools.run)
+    try:
+        await server.serve()
+    finally:
+        await router.stop()
+        if grpc_server is not None:
+            await grpc_server.stop(5.0)
+        await pools.close()

@@ -1,0 +1,196 @@
+"""In-process router: sessions and the cycle loop (draft → schedule → verify → commit) over one
+`Engine` and one optional `Proposer`, batching every active request into each engine step."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from router.scheduling.policy import Policy, max_verify_len, verify_len
+from services.errors import CapacityError
+from services.types import DraftBlock, FinishReason, OutcomeKind, Proposer, SamplingParams, StepOutput
+
+
+class Engine(Protocol):
+    """What the in-process router needs of the verifier's engine (`verifier_worker.engine.Engine` is one): it is
+    handed an engine by its caller (training, evaluation, `dspark generate`) and never imports a worker."""
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None: ...
+
+    def tokens(self, request_id: str) -> list[int]: ...
+
+    def submit(self, request_id: str, draft: DraftBlock | None = None) -> int: ...
+
+    def step(self) -> list[StepOutput]: ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: FinishReason
+    cycles: int  # verify cycles (the first token comes from prefill, outside any cycle)
+    cycle_tokens: int  # tokens emitted by cycles, accepted + 1 each, before any stop cut
+    draft_tokens: int  # Σ ℓ over cycles
+    accepted_tokens: int
+    accepted_per_pos: list[int]  # [γ] cycles whose draft at position k was accepted
+    elapsed_s: float
+    proposed_per_pos: list[int] = field(default_factory=list)  # [γ] cycles that verified a draft at position k
+
+    @property
+    def tau(self) -> float:
+        """Acceptance length τ: tokens emitted per cycle, bonus/recovered token included."""
+        return self.cycle_tokens / self.cycles if self.cycles else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+@dataclass(slots=True)
+class _Session:
+    request: GenerationRequest
+    started: float
+    output: list[int] = field(default_factory=list)
+    in_flight: bool = False
+    cycles: int = 0
+    cycle_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    proposed_per_pos: list[int] = field(default_factory=list)
+    block: DraftBlock | None = None  # the cycle in flight
+
+    @property
+    def remaining(self) -> int:
+        return self.request.params.max_tokens - len(self.output)
+
+
+TokenCallback = Callable[[str, list[int]], None]
+# Called once per verified cycle with the block sent (ℓ drafts, confidences) and the verifier's outcome.
+CycleObserver = Callable[[str, DraftBlock | None, StepOutput], None]
+
+
+class LocalRouter:
+    def __init__(self, engine: Engine, proposer: Proposer | None = None, policy: Policy = Policy.NONE,
+                 gamma: int = 4, observer: CycleObserver | None = None):
+        if policy is not Policy.NONE and proposer is None:
+            raise ValueError(f"policy {policy} needs a drafter")
+        self.engine, self.proposer, self.policy, self.gamma = engine, proposer, policy, gamma
+        self.observer = observer
+
+    def generate(self, requests: list[GenerationRequest], on_tokens: TokenCallback | None = None
+                 ) -> list[GenerationResult]:
+        """Serve all requests with continuous batching; results in the order of `requests`."""
+        queue, sessions = deque(requests), {}
+        results: dict[str, GenerationResult] = {}
+        while queue or sessions:
+            self._admit(queue, sessions)
+            self._submit_cycles(sessions)
+            outputs = self.engine.step()
+            if not outputs and sessions:
+                raise RuntimeError("engine made no progress with requests outstanding")
+            for out in outputs:
+                session = sessions[out.request_id]
+                if self.proposer is not None:
+                    self.proposer.commit(out.request_id, out.feature_start, out.features)
+                if self.observer is not None and out.kind not in (None, OutcomeKind.FIRST):
+                    self.observer(out.request_id, session.block, out)
+                new = self._commit(session, out)
+                if new and on_tokens:
+                    on_tokens(out.request_id, new)
+                finish = self._finish_reason(session)
+                if finish is not None:
+                    results[out.request_id] = self._close(sessions.pop(out.request_id), finish)
+        return [results[r.request_id] for r in requests]
+
+    def _admit(self, queue: deque, sessions: dict) -> None:
+        while queue:
+            req = queue[0]
+            try:
+                self.engine.add_request(req.request_id, req.prompt_ids, req.params)
+            except CapacityError:
+                return  # retried after running requests finish
+            queue.popleft()
+            sessions[req.request_id] = _Session(req, time.perf_counter())
+
+    def _submit_cycles(self, sessions: dict[str, _Session]) -> None:
+        ready = {rid: s for rid, s in sessions.items() if s.output and not s.in_flight}
+        bounds = {rid: max_verify_len(self.policy, self.gamma, s.remaining) for rid, s in ready.items()}
+        contexts = {rid: self.engine.tokens(rid) for rid in ready if bounds[rid] > 0}
+        params = {rid: ready[rid].request.params for rid in contexts}
+        blocks = self.proposer.propose(contexts, self.gamma, params) if contexts and self.proposer else {}
+        for rid, session in ready.items():
+            block = blocks.get(rid)
+            if block is not None:
+                block = block.head(verify_len(self.policy, len(block), bounds[rid]))
+            self.engine.submit(rid, block)
+            session.in_flight, session.block = True, block
+
+    @staticmethod
+    def _commit(session: _Session, out: StepOutput) -> list[int]:
+        if out.kind is None:
+            return []  # a prefill chunk that emits nothing yet
+        if out.kind is not OutcomeKind.FIRST:
+            session.in_flight = False
+            session.cycles += 1
+            session.cycle_tokens += len(out.emitted)
+            session.draft_tokens += out.num_drafts
+            session.accepted_tokens += out.num_accepted
+            if len(session.accepted_per_pos) < out.num_drafts:
+                session.accepted_per_pos.extend([0] * (out.num_drafts - len(session.accepted_per_pos)))
+            for k in range(out.num_accepted):
+                session.accepted_per_pos[k] += 1
+            if len(session.proposed_per_pos) < out.num_drafts:
+                session.proposed_per_pos.extend([0] * (out.num_drafts - len(session.proposed_per_pos)))
+            for k in range(out.num_drafts):
+                session.proposed_per_pos[k] += 1
+        new = []
+        stops = session.request.stop_token_ids
+        for token in out.emitted:
+            if session.remaining <= 0 or (session.output and session.output[-1] in stops):
+                break
+            session.output.append(token)
+            new.append(token)
+        return new
+
+    @staticmethod
+    def _finish_reason(session: _Session) -> FinishReason | None:
+        if session.output and session.output[-1] in session.request.stop_token_ids:
+            return FinishReason.STOP
+        if session.remaining <= 0:
+            return FinishReason.LENGTH
+        return None
+
+    def _close(self, session: _Session, finish: FinishReason) -> GenerationResult:
+        rid = session.request.request_id
+        self.engine.release(rid)
+        if self.proposer is not None:
+            self.proposer.release(rid)
+        return GenerationResult(
+            request_id=rid,
+            prompt_ids=session.request.prompt_ids,
+            token_ids=session.output,
+            finish_reason=finish,
+            cycles=session.cycles,
+            cycle_tokens=session.cycle_tokens,
+            draft_tokens=session.draft_tokens,
+            accepted_tokens=session.accepted_tokens,
+            accepted_per_pos=session.accepted_per_pos,
+            proposed_per_pos=session.proposed_per_pos,
+            elapsed_s=time.perf_counter() - session.started,
+        )

@@ -1,0 +1,116 @@
+"""The router's verify-length decisions: policy → ℓ for each arriving block, and learning from outcomes.
+
+Per cycle: the block's signals become acceptance estimates ĉ_k (`router/scheduling/acceptance.py`), their
+prefix products the survivals a_k; the policy turns them into ℓ — all of the block (`fixed`, `mtp1`),
+the prefix with a_k ≥ λ (`threshold`), or the prefix with a_k ≥ λ(K) of the verifier's budget
+(`dspark`, `router/scheduling/budget.py`), which may also say that drafting does not pay at the current load. A
+per-request SLA can only lengthen ℓ. Outcomes recalibrate the estimates; round trips time the cycle
+the budget plans for. With a pool of verifier replicas each replica has its own budget, over the
+requests placed on it (`engine_of`: request → the replica's board key), and a request that moves to
+another replica moves budgets. No Ray, no gRPC, no Redis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from router.scheduling.acceptance import AcceptanceModel
+from router.scheduling.algorithm1 import SpsCurve, survival
+from router.scheduling.board_view import BoardView
+from router.scheduling.budget import Plan, VerifierView, VerifyBudget, leading, sla_len
+from router.scheduling.policy import Policy
+from services.types import DraftBlock
+
+
+@dataclass(slots=True)
+class Decision:
+    verify_len: int  # ℓ
+    drafted: int  # block length before trimming (already capped by γ and the token budget)
+    signals: list[float | None]  # [drafted] what the drafter sent for each position
+    survivals: list[float]  # [drafted] a_1..a_drafted from the acceptance estimates
+    plan: Plan | None  # the budget in force (policy dspark)
+
+
+class VerifyPlanner:
+    def __init__(self, threshold: float = 0.3, board: BoardView | None = None,
+                 engine_of: Callable[[str], str | None] | None = None):
+        self.threshold = threshold  # λ of policy threshold, and of dspark until the SPS profile is known
+        self.board = board
+        self.engine_id = ""  # the profiled verifier's key on the load board (the default replica)
+        self.engine_of = engine_of  # request → its replica's board key (None: not placed right now)
+        self.acceptance = AcceptanceModel()
+        self.sps: SpsCurve | None = None  # one profile: the replicas of a pool share model and hardware
+        self._budgets: dict[str, VerifyBudget] = {}
+        self._engine: dict[str, str] = {}  # request → the replica whose budget counts it
+
+    def set_profile(self, engine_id: str, points: list[tuple[int, float]]) -> None:
+        """The verifier's identity and SPS(B) table (from its Profile RPC); without one dspark uses λ."""
+        self.engine_id = engine_id
+        if len(points) >= 2:
+            batch, ms = zip(*sorted(points), strict=True)
+            self.sps = SpsCurve(tuple(batch), tuple(ms))
+            for budget in self._budgets.values():
+                budget.sps = self.sps
+
+    def budget(self, request_id: str) -> tuple[str, VerifyBudget]:
+        """The replica this request is verified on and its budget (joining it there if it moved)."""
+        old = self._engine.get(request_id)
+        engine = (self.engine_of(request_id) if self.engine_of else None) or old or self.engine_id
+        budget = self._budgets.get(engine)
+        if budget is None:
+            budget = self._budgets[engine] = VerifyBudget(self.sps, fallback_threshold=self.threshold)
+        if engine != old:
+            if old is not None:
+                self._budgets[old].leave(request_id)
+            budget.join(request_id)
+            self._engine[request_id] = engine
+        return engine, budget
+
+    def view(self, engine: str, budget: VerifyBudget) -> VerifierView:
+        if self.board is None or not engine:
+            return VerifierView()
+        return self.board.view(engine, len(budget.rows))
+
+    def join(self, request_id: str) -> None:
+        self.budget(request_id)
+
+    def leave(self, request_id: str) -> None:
+        engine = self._engine.pop(request_id, None)
+        if engine is not None:
+            self._budgets[engine].leave(request_id)
+
+    def wants_draft(self, request_id: str, policy: Policy, sla: float) -> bool:
+        """Whether a request asks the drafter this cycle; only dspark skips, never under an SLA."""
+        if policy is not Policy.DSPARK or sla > 0:
+            return True
+        engine, budget = self.budget(request_id)
+        return budget.wants_draft(self.view(engine, budget))
+
+    def source(self, request_id: str) -> str:
+        """Which load the plan in force for this request's replica counted (board | local)."""
+        plan = self.budget(request_id)[1].plan
+        return "local" if plan is None else plan.source
+
+    def observe_verify(self, request_id: str, seconds: float) -> None:
+        self.budget(request_id)[1].observe_verify(seconds)
+
+    def observe_cycle(self, request_id: str, seconds: float, policy: Policy, drafted: bool) -> None:
+        if policy is Policy.DSPARK:
+            self.budget(request_id)[1].observe_cycle(seconds, drafted)
+
+    def decide(self, request_id: str, policy: Policy, method: str, greedy: bool, block: DraftBlock,
+               tokens_needed: float = 0.0) -> Decision:
+        """ℓ for a block already capped by γ and the token budget; `tokens_needed` = SLA tokens per cycle."""
+        signals = AcceptanceModel.signals(block)
+        a = survival(self.acceptance.estimate(method, greedy, signals))
+        length, plan = len(block), None
+        if policy is Policy.THRESHOLD:
+            length = max(leading(a, self.threshold), sla_len(a, tokens_needed) if tokens_needed else 0)
+        elif policy is Policy.DSPARK:
+            engine, budget = self.budget(request_id)
+            length, plan = budget.trim(request_id, a, self.view(engine, budget), tokens_needed)
+        return Decision(length, len(block), signals, a, plan)
+
+    def learn(self, method: str, greedy: bool, decision: Decision, verified: int, accepted: int) -> None:
+        self.acceptance.observe(method, greedy, decision.signals, verified, accepted)

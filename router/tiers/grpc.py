@@ -1,0 +1,165 @@
+"""gRPC clients of the verifier and drafter tiers (the `VerifierTier` / `DrafterTier` protocols).
+
+Each request gets its own bidirectional stream, opened at its first cycle and cancelled on release, so
+the server frees the request's KV slot or draft context even if the Release call never arrives. Any
+failure of a stream drops it; the next call opens a new one (the server kept the request's state).
+Every call has a deadline: unary calls `timeout_s`, each cycle's reply `timeout_s` as well. With `tls`
+the channel is TLS (mTLS when the material says client_auth), else plaintext.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import torch
+
+from protos import codec
+from protos.dspark.v1 import dspark_pb2 as pb
+from protos.dspark.v1 import dspark_pb2_grpc as rpc
+from protos.serving import channel
+from protos.status import error_from_rpc
+from services.errors import TierUnavailableError
+from services.tls import TlsMaterial
+from services.types import DraftBlock, Prefilled, SamplingParams, Verified, VerifierProfile
+
+
+class _StreamPool:
+    """One bidi stream per request id over one channel."""
+
+    def __init__(self, address: str, open_call, timeout_s: float):
+        self.address, self.timeout_s, self._open_call = address, timeout_s, open_call
+        self._streams: dict[str, grpc.aio.StreamStreamCall] = {}
+
+    async def exchange(self, request_id: str, message):
+        call = self._streams.get(request_id)
+        if call is None:
+            call = self._streams[request_id] = self._open_call()
+        try:
+            await asyncio.wait_for(call.write(message), self.timeout_s)
+            reply = await asyncio.wait_for(call.read(), self.timeout_s)
+        except grpc.aio.AioRpcError as error:
+            self.drop(request_id)
+            raise error_from_rpc(error, self.address) from None
+        except (TimeoutError, grpc.aio.UsageError, ConnectionError, asyncio.InvalidStateError) as error:
+            # InvalidStateError: a write on a stream that already ended (its connection was cut) but whose end
+            # no read has seen yet.
+            self.drop(request_id)
+            raise TierUnavailableError(f"{self.address}: {type(error).__name__}") from None
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # this request was cancelled (its client left)
+            # The stream was cancelled under us (its replica left the pool and its client closed): a lost replica.
+            self.drop(request_id)
+            raise TierUnavailableError(f"{self.address}: stream closed") from None
+        if reply is grpc.aio.EOF:
+            code, details = await call.code(), await call.details()
+            self.drop(request_id)
+            raise error_from_rpc(_Failed(code, details), self.address)
+        return reply
+
+    def drop(self, request_id: str) -> None:
+        call = self._streams.pop(request_id, None)
+        if call is not None:
+            call.cancel()
+
+    def close_all(self) -> None:
+        for rid in list(self._streams):
+            self.drop(rid)
+
+
+class _Failed(grpc.aio.AioRpcError):
+    """A stream that ended without a reply, as an RPC error."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+async def _unary(address: str, call, message, timeout_s: float):
+    try:
+        return await call(message, timeout=timeout_s)
+    except grpc.aio.AioRpcError as error:
+        raise error_from_rpc(error, address) from None
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():
+            raise
+        raise TierUnavailableError(f"{address}: channel closed") from None  # its replica left the pool
+
+
+class GrpcVerifier:
+    def __init__(self, address: str, timeout_s: float = 60.0, feature_dtype: torch.dtype = torch.bfloat16,
+                 tls: TlsMaterial | None = None):
+        self.address, self.timeout_s = address, timeout_s
+        self.feature_dtype = codec.dtype_field(feature_dtype)
+        self.channel = channel(address, tls)
+        self.stub = rpc.VerifierStub(self.channel)
+        self._streams = _StreamPool(address, self.stub.Verify, timeout_s)
+
+    async def prefill(self, request_id, prompt_ids, params: SamplingParams, resume_ids, traceparent) -> Prefilled:
+        msg = pb.PrefillRequest(request_id=request_id, prompt_ids=prompt_ids, params=codec.params_to_pb(params),
+                                resume_ids=resume_ids, feature_dtype=self.feature_dtype, traceparent=traceparent)
+        reply = await _unary(self.address, self.stub.Prefill, msg, self.timeout_s)
+        return Prefilled(list(reply.emitted), reply.committed, codec.tensor_from_pb(reply.features))
+
+    async def verify(self, request_id, cycle, draft: DraftBlock | None, traceparent) -> Verified:
+        msg = pb.VerifyRequest(request_id=request_id, cycle=cycle, draft=codec.block_to_pb(draft),
+                               feature_dtype=self.feature_dtype, traceparent=traceparent)
+        reply = await self._streams.exchange(request_id, msg)
+        return Verified(codec.outcome_from_pb(reply), reply.committed)
+
+    def forget(self, request_id) -> None:
+        """Cancel the request's stream without waiting on this replica (it is presumed lost)."""
+        self._streams.drop(request_id)
+
+    async def release(self, request_id) -> None:
+        self._streams.drop(request_id)
+        with contextlib.suppress(Exception):  # best effort: the cancelled stream frees the slot anyway
+            await self.stub.Release(pb.ReleaseRequest(request_id=request_id), timeout=self.timeout_s)
+
+    async def profile(self) -> VerifierProfile:
+        reply = await _unary(self.address, self.stub.Profile, pb.ProfileRequest(), self.timeout_s)
+        return VerifierProfile(reply.engine_id or self.address, [(p.batch_tokens, p.step_ms) for p in reply.sps])
+
+    async def load(self) -> pb.LoadReply:
+        return await _unary(self.address, self.stub.Load, pb.LoadRequest(), self.timeout_s)
+
+    async def close(self) -> None:
+        self._streams.close_all()
+        await self.channel.close()
+
+
+class GrpcDrafter:
+    def __init__(self, address: str, timeout_s: float = 10.0, tls: TlsMaterial | None = None):
+        self.address, self.timeout_s = address, timeout_s
+        self.channel = channel(address, tls)
+        self.stub = rpc.DrafterStub(self.channel)
+        self._streams = _StreamPool(address, self.stub.Draft, timeout_s)
+
+    async def open(self, request_id, context_ids, features, params, cycle, method, traceparent) -> None:
+        self._streams.drop(request_id)  # a reopened context starts a fresh stream
+        msg = pb.OpenRequest(request_id=request_id, context_ids=context_ids, features=codec.tensor_to_pb(features),
+                             params=codec.params_to_pb(params), cycle=cycle, method=method, traceparent=traceparent)
+        await _unary(self.address, self.stub.Open, msg, self.timeout_s)
+
+    async def draft(self, request_id, cycle, new_ids, feature_start, features, gamma, traceparent) -> DraftBlock:
+        msg = pb.DraftRequest(request_id=request_id, cycle=cycle, new_ids=new_ids, feature_start=feature_start,
+                              features=codec.tensor_to_pb(features), gamma=gamma, traceparent=traceparent)
+        reply = await self._streams.exchange(request_id, msg)
+        return codec.block_from_pb(reply.block)
+
+    def forget(self, request_id) -> None:
+        """Cancel the request's stream without waiting on this replica (it is presumed lost)."""
+        self._streams.drop(request_id)
+
+    async def release(self, request_id) -> None:
+        self._streams.drop(request_id)
+        with contextlib.suppress(Exception):
+            await self.stub.Release(pb.ReleaseRequest(request_id=request_id), timeout=self.timeout_s)
+
+    async def load(self) -> pb.DrafterLoadReply:
+        return await _unary(self.address, self.stub.Load, pb.LoadRequest(), self.timeout_s)
+
+    async def close(self) -> None:
+        self._streams.close_all()
+        await self.channel.close()

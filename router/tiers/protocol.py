@@ -1,0 +1,42 @@
+"""What the router needs from a verifier and a drafter tier.
+
+The gRPC clients (`router/tiers/grpc.py`) implement the same two protocols, and so do the in-process
+adapters at the bottom of each worker's `service.py` (`LocalVerifier`, `LocalDrafter`): the router core
+runs unchanged over loopback gRPC, over remote replicas, or in one process (tests and the embedded mode).
+`traceparent` is the W3C context of the caller's span; in-process calls inherit it directly.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from services.types import DraftBlock, Prefilled, SamplingParams, Verified, VerifierProfile
+
+
+class VerifierTier(Protocol):
+    async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      resume_ids: list[int], traceparent: str) -> Prefilled: ...
+
+    async def verify(self, request_id: str, cycle: int, draft: DraftBlock | None, traceparent: str) -> Verified: ...
+
+    async def release(self, request_id: str) -> None: ...
+
+    def forget(self, request_id: str) -> None:
+        """Cut this request's stream without a release (its replica is being given up on)."""
+
+    async def profile(self) -> VerifierProfile: ...
+
+
+class DrafterTier(Protocol):
+    async def open(self, request_id: str, context_ids: list[int], features: torch.Tensor | None,
+                   params: SamplingParams, cycle: int, method: str, traceparent: str) -> None: ...
+
+    async def draft(self, request_id: str, cycle: int, new_ids: list[int], feature_start: int,
+                    features: torch.Tensor | None, gamma: int, traceparent: str) -> DraftBlock: ...
+
+    async def release(self, request_id: str) -> None: ...
+
+    def forget(self, request_id: str) -> None:
+        """Cut this request's stream without a release (its replica is being given up on)."""

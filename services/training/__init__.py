@@ -1,1 +1,0 @@
-"""Training loops of the project's own models (target now, drafters later)."""

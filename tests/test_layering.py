@@ -1,0 +1,91 @@
+"""The package layering: every import (lazy ones too) points down this graph, and no package loops.
+
+    cli  →  benchmarks  →  training, cluster  →  router  →  verifier_worker, drafter_worker  →  protos  →  services
+
+A package may import itself and any package listed for it below; nothing else of the project. `cluster/` is
+the only package that imports Ray; the router reaches the tiers only through `services/` (types) and
+`protos/` (the wire), never a worker module.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ALLOWED: dict[str, set[str]] = {
+    "services": set(),
+    "protos": {"services"},
+    "verifier_worker": {"protos", "services"},
+    "drafter_worker": {"protos", "services"},
+    "router": {"protos", "services"},
+    "training": {"router", "verifier_worker", "drafter_worker", "protos", "services"},
+    "cluster": {"router", "verifier_worker", "drafter_worker", "protos", "services"},
+    "benchmarks": {"training", "cluster", "router", "verifier_worker", "drafter_worker", "protos", "services"},
+    "cli": {"benchmarks", "training", "cluster", "router", "verifier_worker", "drafter_worker", "protos", "services"},
+}
+RAY_PACKAGES = {"cluster", "benchmarks", "cli"}  # benchmarks and cli drive a cluster; no tier or router does
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, top-level module) of every import in a file, at any depth (function-level imports included)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.lineno, node.module.split(".")[0]))
+        elif isinstance(node, ast.Import):
+            out.extend((node.lineno, a.name.split(".")[0]) for a in node.names)
+    return out
+
+
+def violations(root: Path = ROOT) -> list[str]:
+    found = []
+    for package, allowed in ALLOWED.items():
+        for path in sorted((root / package).rglob("*.py")):
+            for line, top in imports(path):
+                where = f"{path.relative_to(root)}:{line}"
+                if top in ALLOWED and top != package and top not in allowed:
+                    found.append(f"{where} imports {top} (above or beside {package})")
+                if top == "ray" and package not in RAY_PACKAGES:
+                    found.append(f"{where} imports ray (only cluster/ may)")
+    return found
+
+
+def test_every_import_points_down():
+    assert violations() == []
+
+
+def test_the_graph_has_no_cycle():
+    order = []
+    def visit(node, stack=()):
+        assert node not in stack, f"cycle: {' → '.join((*stack, node))}"
+        for dep in ALLOWED[node]:
+            visit(dep, (*stack, node))
+        order.append(node)
+    for package in ALLOWED:
+        visit(package)
+
+
+def test_every_top_level_package_is_in_the_graph():
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name != "tests"}
+    assert packages == set(ALLOWED)
+
+
+@pytest.mark.parametrize(("package", "line", "banned"), [
+    ("router", "from verifier_worker.service import Prefilled", "verifier_worker"),
+    ("services", "from training.rollouts import generate", "training"),
+    ("verifier_worker", "from router.session import Session", "router"),
+    ("drafter_worker", "import ray", "ray"),
+    ("router", "    from benchmarks.serve_bench.runner import run  # lazy", "benchmarks"),
+])
+def test_an_upward_import_is_caught(tmp_path, package, line, banned):
+    """Each of the violations of the old layout, planted in a copy of the tree, fails the check."""
+    for name in ALLOWED:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("")
+    body = f"def f():\n{line}\n" if line.startswith(" ") else line + "\n"
+    (tmp_path / package / "planted.py").write_text(body)
+    (found,) = violations(tmp_path)
+    assert f"{package}/planted.py" in found and banned in found

@@ -1,0 +1,163 @@
+"""`dspark train drafter`: train an MTP / EAGLE-3 / DFlash / DSpark drafter on the target cache.
+
+Each step draws `batch_sequences` cached sequences and `anchors_per_sequence` anchors in each. Block
+drafters run one parallel forward per anchor; chain drafters unroll the whole sequences for γ steps
+(training-time test) and read the rows of the same anchors, so every method is scored on the same
+(anchor, k) pairs: slot k predicts the token at anchor + k + 1, target logits = LMHead(hidden[anchor + k]).
+State goes to `run_dir/state.pt` atomically every `checkpoint_every` steps; a rerun resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from drafter_worker.checkpoint import DraftModel, build_draft_model, save_drafter
+from drafter_worker.config import DrafterConfig, Method
+from services.model import CausalLM
+from training.anchors import block_labels, sample_anchors
+from training.drafter_losses import decay_weights, dflash_loss, dspark_loss, soft_ce_loss, step_weights
+from training.schedule import warmup_cosine
+from training.state import resume_state, save_state
+from training.target_cache import TargetCache
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterTrainConfig:
+    run_dir: Path
+    out_dir: Path
+    steps: int = 1000
+    batch_sequences: int = 8
+    anchors_per_sequence: int = 32
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_sequences: int = 48
+    checkpoint_every: int = 50
+    seed: int = 42
+
+
+@dataclass(slots=True)
+class Batch:
+    ids: torch.Tensor  # [B, S] int64, right-padded
+    taps: torch.Tensor  # [B, S, T*d]
+    hidden: torch.Tensor  # [B, S, d] target final normed hidden
+    seq: torch.Tensor  # [A] sequence of each anchor
+    anchors: torch.Tensor  # [A] anchor positions
+    labels: torch.Tensor  # [A, γ]
+    eval_mask: torch.Tensor  # [A, γ]
+
+
+def make_batch(cache: TargetCache, indices: list[int], anchors: int, gamma: int, gen: torch.Generator,
+               device: torch.device) -> Batch:
+    seqs = [cache[i] for i in indices]
+    width = max(len(s.ids) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    taps = torch.zeros(len(seqs), width, seqs[0].taps.shape[1])
+    hidden = torch.zeros(len(seqs), width, seqs[0].hidden.shape[1])
+    seq_of, anchor_list, labels, masks = [], [], [], []
+    for b, s in enumerate(seqs):
+        n = len(s.ids)
+        ids[b, :n], taps[b, :n], hidden[b, :n] = s.ids, s.taps, s.hidden
+        pos = sample_anchors(s.loss_mask, anchors, gen)
+        lab, mask = block_labels(s.ids, s.loss_mask, pos, gamma)
+        seq_of.append(torch.full_like(pos, b))
+        anchor_list.append(pos)
+        labels.append(lab)
+        masks.append(mask)
+    return Batch(ids.to(device), taps.to(device), hidden.to(device), torch.cat(seq_of).to(device),
+                 torch.cat(anchor_list).to(device), torch.cat(labels).to(device), torch.cat(masks).to(device))
+
+
+def forward_loss(model: DraftModel, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The method's loss on one batch, and its terms (incl. per-slot acceptance 1 − ½‖p_d − p_t‖₁ [A, γ])."""
+    dcfg: DrafterConfig = model.dconfig
+    gamma = dcfg.block_size
+    rows = (batch.anchors[:, None] + torch.arange(gamma, device=batch.ids.device)).clamp(max=batch.ids.shape[1] - 1)
+    target_logits = model.lm_head(batch.hidden[batch.seq[:, None], rows])  # [A, γ, V]
+    if dcfg.method.is_block:
+        b, s = batch.ids.shape
+        positions = torch.arange(s, device=batch.ids.device).expand(b, s)
+        kv = [(k[batch.seq], v[batch.seq]) for k, v in model.context_kv(batch.taps, positions)]  # [A, Hkv, S, Dh]
+        ctx_mask = torch.arange(s, device=batch.ids.device)[None] < batch.anchors[:, None]  # [A, S] strictly before
+        anchor_tokens = batch.ids[batch.seq, batch.anchors]
+        h = model.backbone(anchor_tokens, batch.anchors, kv, ctx_mask, gamma)  # [A, γ, d]
+        prev = torch.cat([anchor_tokens[:, None], batch.labels[:, :-1]], dim=1)  # teacher forcing [A, γ]
+        logits, conf = model.teacher_forced(h, prev)
+        weights = decay_weights(batch.eval_mask)
+        if dcfg.method is Method.DFLASH:
+            return dflash_loss(logits, target_logits, batch.labels, weights)
+        return dspark_loss(logits, target_logits, batch.labels, weights, conf)
+    outs = model.unrolled(batch.taps, batch.ids, gamma)  # γ × [B, S, d]
+    s = batch.ids.shape[1]  # row a−1+k of step k (clamped rows are masked out)
+    chain_rows = ((batch.anchors - 1)[:, None] + torch.arange(gamma, device=batch.ids.device)).clamp(max=s - 1)
+    picked = torch.stack([outs[k][batch.seq, chain_rows[:, k]] for k in range(gamma)], dim=1)  # [A, γ, d]
+    return soft_ce_loss(model.logits(picked), target_logits, step_weights(batch.eval_mask))
+
+
+def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: TargetCache, cfg: DrafterTrainConfig,
+          log=print) -> Path:
+    torch.manual_seed(cfg.seed)
+    model = build_draft_model(dcfg, target).float().train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    step, elapsed = resume_state(cfg.run_dir, model, opt)
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    warmup = max(1, int(cfg.warmup_ratio * cfg.steps))
+    log(f"{dcfg.method}: {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, {cfg.steps} steps of "
+        f"{cfg.batch_sequences}x{cfg.anchors_per_sequence} anchors, γ={dcfg.block_size}, starting at step {step}")
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TextColumn("{task.fields[info]}"), TimeRemainingColumn()) as bar:
+        task = bar.add_task(f"train {dcfg.method}", total=cfg.steps, completed=step, info="")
+        while step < cfg.steps:
+            t0 = time.perf_counter()
+            for group in opt.param_groups:
+                group["lr"] = warmup_cosine(step, cfg.steps, warmup, cfg.lr, floor_ratio=0.0)
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # batch of step n is fixed: resumable
+            indices = torch.randint(len(cache), (cfg.batch_sequences,), generator=gen).tolist()
+            batch = make_batch(cache, indices, cfg.anchors_per_sequence, dcfg.block_size, gen, target.device)
+            loss, terms = forward_loss(model, batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            step += 1
+            elapsed += time.perf_counter() - t0
+            record = {"step": step, "elapsed_s": round(elapsed, 1), "loss": round(loss.item(), 4),
+                      **{k: round(v.item(), 4) for k, v in terms.items() if v.dim() == 0}}
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                record["val"] = evaluate(model, val, cfg)
+            with (cfg.run_dir / "log.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            bar.update(task, completed=step, info=f"loss {record['loss']:.3f}")
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                save_state(cfg.run_dir, model, opt, step, elapsed, {k: str(v) for k, v in asdict(cfg).items()})
+    out = save_drafter(model, cfg.out_dir)
+    (out / "training_log.jsonl").write_text((cfg.run_dir / "log.jsonl").read_text())
+    return out
+
+
+@torch.no_grad()
+def evaluate(model: DraftModel, val: TargetCache, cfg: DrafterTrainConfig) -> dict:
+    """Held-out loss and expected acceptance 1 − ½‖p_d − p_t‖₁ per slot (T = 1, teacher-forced prefix)."""
+    model.eval()
+    gen = torch.Generator().manual_seed(cfg.seed)
+    losses, accepts = [], []
+    indices = list(range(min(cfg.eval_sequences, len(val))))
+    for start in range(0, len(indices), cfg.batch_sequences):
+        batch = make_batch(val, indices[start : start + cfg.batch_sequences], cfg.anchors_per_sequence,
+                           model.dconfig.block_size, gen, model.lm_head.weight.device)
+        loss, terms = forward_loss(model, batch)
+        losses.append(loss.item())
+        mask = batch.eval_mask.float()
+        accepts.append(((terms["accept"] * mask).sum(0), mask.sum(0)))
+    model.train()
+    num = sum(a for a, _ in accepts)
+    den = sum(m for _, m in accepts).clamp_min(1)
+    return {"loss": round(sum(losses) / len(losses), 4), "accept@k": [round(x, 4) for x in (num / den).tolist()]}

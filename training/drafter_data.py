@@ -1,0 +1,35 @@
+"""`dspark data target-cache`: rollouts of the target on train and held-out prompts, then their caches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from services.loader import load_model
+from services.model_config import ModelConfig, default_tap_layers
+from services.registry import resolve_model
+from services.tokenizer import TextTokenizer
+from training import rollouts, target_cache
+
+
+def prepare(target: str, run_dir: Path, data_dir: Path, cfg: rollouts.RolloutConfig, val_per_domain: int = 64,
+            tap_layers: tuple[int, ...] | None = None) -> dict[str, Path]:
+    """Build (or resume) `run_dir/{train,val}` caches; returns their directories."""
+    caches = {split: run_dir / "cache" / split for split in ("val", "train")}
+    missing = [split for split, d in caches.items() if not (d / "manifest.json").exists()]
+    if not missing:
+        return caches  # nothing to build: the target is not even loaded
+    torch.manual_seed(cfg.seed)
+    model_dir = resolve_model(target)
+    tokenizer = TextTokenizer.from_dir(model_dir)
+    taps = tap_layers or default_tap_layers(ModelConfig.from_dir(model_dir).num_hidden_layers)
+    model = load_model(model_dir, "float32", "cpu", tap_layers=taps)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    per_domain = {"val": val_per_domain, "train": cfg.prompts_per_domain}
+    for split in missing:
+        out, cache_dir = run_dir / f"rollouts.{split}.jsonl", caches[split]
+        items = list(rollouts.prompts(data_dir, split, per_domain[split], cfg.seed))
+        rollouts.generate(model, tokenizer, items, cfg, out)
+        target_cache.build(model, rollouts.read(out), cache_dir, target=model_dir.name)
+    return caches

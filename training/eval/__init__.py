@@ -1,0 +1,1 @@
+"""Evaluation of drafters against their target: τ, acceptance per position, calibration."""

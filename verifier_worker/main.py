@@ -1,0 +1,61 @@
+"""The verifier process's composition root: load the target, build the engine and service, serve gRPC.
+
+`python -m verifier_worker [--config FILE] [--FLAG VALUE ...]` runs one verifier (as `dspark verifier` does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from protos.dspark.v1 import dspark_pb2_grpc as rpc
+from protos.serving import GrpcServer
+from protos.tier import RunningTier, open_board, role_tracer, set_threads, start_publisher
+from services.loader import load_model
+from services.model_config import ModelConfig, default_tap_layers
+from services.registry import resolve_model
+from services.tls import read_tls
+from verifier_worker.engine import Engine, EngineConfig
+from verifier_worker.profile import profile_sps
+from verifier_worker.server import VerifierServicer
+from verifier_worker.service import VerifierService
+from verifier_worker.settings import VerifierSettings
+
+
+def verifier_taps(s: VerifierSettings) -> tuple[int, ...]:
+    if s.tap_layers is not None:
+        return tuple(s.tap_layers)
+    return default_tap_layers(ModelConfig.from_dir(resolve_model(s.model)).num_hidden_layers)
+
+
+def load_target(s: VerifierSettings):
+    return load_model(resolve_model(s.model), s.dtype, None if s.device == "auto" else s.device,
+                      tap_layers=verifier_taps(s))
+
+
+def verifier_service(s: VerifierSettings, model=None) -> VerifierService:
+    model_dir = resolve_model(s.model)
+    model = model if model is not None else load_target(s)
+    engine = Engine(model, EngineConfig(num_slots=s.num_slots, max_len=s.max_len, max_batch_tokens=s.max_batch_tokens,
+                                        max_waiting=s.max_waiting))
+    return VerifierService(engine, model_dir.name, s.lease_s, s.batch_window_ms / 1000)
+
+
+async def start_verifier(s: VerifierSettings, model=None) -> RunningTier:
+    """Load (or take) the target, profile SPS(B), serve dspark.v1.Verifier. `model`: e.g. a TP driver."""
+    set_threads(s.threads)
+    tls, board = read_tls(s.tls), open_board(s.redis_url)  # before the model loads: bad certificates or credentials
+    tracer = role_tracer("dspark-verifier", s)
+    service = await asyncio.to_thread(verifier_service, s, model)
+    sps = await asyncio.to_thread(profile_sps, service.engine.model, context=256, repeats=5) if s.profile else []
+    server = GrpcServer(s.host, s.port, ["dspark.v1.Verifier"], tls)
+    rpc.add_VerifierServicer_to_server(VerifierServicer(service, tracer, sps, server.address), server.server)
+    await service.start()
+    await server.start()
+
+    def snapshot() -> dict:
+        load = service.load()
+        return {"running": load.running, "queued": load.waiting, "kv_used": load.kv_used, "kv_total": load.kv_total,
+                "step_ms_ema": load.step_ms_ema, "batch_tokens": load.batch_tokens}
+
+    publisher = start_publisher(board, "verifier", server, snapshot, [(p.batch_tokens, p.step_ms) for p in sps])
+    return RunningTier(server, service.stop, publisher, snapshot)
