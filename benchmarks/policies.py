@@ -103,7 +103,7 @@ async def bench(args, verifier_address: str, drafter_address: str, redis_url: st
     router = Router(verifier, drafter, {"dspark", "mtp"}, RouterConfig(max_running=64), tok,
                     planner=VerifyPlanner(0.3, board))
     await router.start()
-    while router.scheduling.planner.sps is None:
+    while router.planner.sps is None:
         await asyncio.sleep(0.1)
     for arm in ARMS:  # warm-up: every code path once, and the dspark estimates some outcomes to learn from
         await run_arm(router, prompts, arm, 4 if arm == "dspark" else 1, 1, args.max_tokens, args.temperature)

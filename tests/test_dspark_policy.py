@@ -56,7 +56,7 @@ def test_redis_outage_mid_run_fails_no_request_and_scheduling_recovers(stack, re
         config = RouterConfig(default=Speculation("dspark", Policy.DSPARK, 7))
         router = Router(verifier, drafter, {"dspark", "mtp"}, config, tok, planner=VerifyPlanner(0.3, board))
         await router.start()
-        while router.scheduling.planner.sps is None:  # the verifier's SPS profile, over its Profile RPC
+        while router.planner.sps is None:  # the verifier's SPS profile, over its Profile RPC
             await asyncio.sleep(0.05)
         done, stop = [], asyncio.Event()
 
@@ -81,7 +81,7 @@ def test_redis_outage_mid_run_fails_no_request_and_scheduling_recovers(stack, re
         metrics = router.metrics
         trimmed = metrics.trimmed_draft_tokens.labels("")._value.get()
         skipped = metrics.drafts_skipped.labels("")._value.get()
-        engine_id = router.scheduling.planner.engine_id
+        engine_id = router.planner.engine_id
         await router.stop()
         loads = await verifier.load(), await drafter.load()
         await verifier.close()

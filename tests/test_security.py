@@ -227,9 +227,9 @@ def test_a_tier_and_a_router_share_the_board_with_acl_credentials(acl_redis, cap
         await router.start(pools.run)
         try:
             async with asyncio.timeout(20):
-                while router.scheduling.planner.board.fresh(verifier.address) is None:
+                while router.planner.board.fresh(verifier.address) is None:
                     await asyncio.sleep(0.05)
-            return router.scheduling.planner.board.fresh(verifier.address)
+            return router.planner.board.fresh(verifier.address)
         finally:
             await router.stop()
             await pools.close()

@@ -73,6 +73,8 @@ def label(proc: psutil.Process) -> str | None:
     for i, word in enumerate(cmd[1:], 1):
         if word.endswith(("cli.main", "/dspark")):
             return " ".join(["dspark", *cmd[i + 1:i + 2]])
+        if word in ("verifier_worker", "drafter_worker"):  # python -m verifier_worker: what `dspark verifier` runs
+            return "dspark " + word.removesuffix("_worker")
         if word.endswith(tuple(_SCRIPTS)):
             return _SCRIPTS[word.split("/")[-1]]
     return " ".join(w.split("/")[-1] for w in cmd[:2])
