@@ -18,10 +18,8 @@ from datetime import timedelta
 
 import ray
 
-from drafter_worker.main import start_drafter
 from drafter_worker.settings import DrafterSettings
 from protos.tier import RunningTier, set_threads
-from verifier_worker.main import load_target, start_verifier
 from verifier_worker.settings import VerifierSettings
 
 # Shards wait in a collective for rank 0's next call however long the replica stays idle; a rank that dies
@@ -71,6 +69,8 @@ class DrafterReplica(_Replica):
         self.settings = DrafterSettings.model_validate(settings)
 
     async def _start(self) -> RunningTier:
+        from drafter_worker.main import start_drafter  # here: a drafter replica loads no verifier code
+
         return await start_drafter(self.settings.model_copy(update={"host": _node_ip(), "port": 0}))
 
 
@@ -92,10 +92,11 @@ class VerifierReplica(_Replica):
         return self._group_address
 
     async def _start(self) -> RunningTier:
+        from verifier_worker.main import start_verifier  # here: a verifier replica loads no drafter code
+
         if self.world > 1:
             self._driver = await asyncio.to_thread(_sharded, self.settings, 0, self.world, self.group_address())
-        return await start_verifier(self.settings.model_copy(update={"host": _node_ip(), "port": 0}),
-                                          self._driver)
+        return await start_verifier(self.settings.model_copy(update={"host": _node_ip(), "port": 0}), self._driver)
 
     async def stop(self) -> None:
         await super().stop()
@@ -124,6 +125,7 @@ def _sharded(s: VerifierSettings, rank: int, world: int, address: str, driver: b
     """This rank's shard of the target, in the replica's process group of `world` ranks meeting at `address`:
     rank 0 gets the driver the Engine runs, the others (model, groups) to follow with. Every rank loads the
     checkpoint and keeps its slice."""
+    from verifier_worker.main import load_target
     from verifier_worker.tensor_parallel import TensorParallelDriver, init_group, shard_model
 
     set_threads(s.threads)

@@ -7,8 +7,6 @@ status and keeps the context.
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 from opentelemetry import trace
 
@@ -16,6 +14,7 @@ from drafter_worker.service import DrafterService
 from protos import codec, validate
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
+from protos.serving import session_stream
 from protos.status import abort_with
 from services.tracing import context_from
 
@@ -41,28 +40,12 @@ class DrafterServicer(rpc.DrafterServicer):
             return pb.OpenReply(context_length=n, method=method, block_size=self.service.block_sizes.get(method, 0))
 
     async def Draft(self, request_iterator, context: grpc.aio.ServicerContext):
-        attached: str | None = None
-        release = True
         self.streams += 1
         try:
-            async for msg in request_iterator:
-                if attached is None:
-                    attached = msg.request_id
-                    self.service.attach(attached)
-                if msg.request_id != attached:
-                    release = False
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "one request per Draft stream")
-                reply, error = await self._draft_one(msg)
-                if error is not None:
-                    release = False
-                    await abort_with(context, error)
+            async for reply in session_stream(request_iterator, context, self.service, self._draft_one, "Draft"):
                 yield reply
         finally:
             self.streams -= 1
-            if attached is not None:
-                self.service.detach(attached)
-                if release:
-                    await asyncio.shield(self.service.release(attached))
 
     async def _draft_one(self, msg: pb.DraftRequest) -> tuple[pb.DraftReply | None, Exception | None]:
         with self.tracer.start_as_current_span("drafter.draft", context=context_from(msg.traceparent)) as span:

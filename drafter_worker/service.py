@@ -12,15 +12,13 @@ without drafting, e.g. while the drafter was unreachable); anything else is stal
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from services.batching import StepTimer, compute_thread, gather_window
-from services.errors import InvalidRequestError, StaleCycleError, TierUnavailableError
+from services.errors import InvalidRequestError, StaleCycleError
 from services.lease import Lease
+from services.tier_loop import TierLoop
 from services.types import DraftBlock, DrafterLoad, Proposer, SamplingParams
 
 
@@ -59,36 +57,24 @@ class _Queued:
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
-class DrafterService:
+class DrafterService(TierLoop):
+    role = "drafter"
+
     def __init__(self, proposers: dict[str, Proposer], block_sizes: dict[str, int], batch_window_s: float = 0.005,
                  limits: DraftLimits | None = None, lease_s: float = 60.0):
         if not proposers:
             raise ValueError("a drafter replica needs at least one proposer")
+        super().__init__(lease_s, batch_window_s)
         self.proposers, self.block_sizes = proposers, block_sizes
         self.limits = limits or model_limits(proposers)
-        self.batch_window_s, self.lease_s = batch_window_s, lease_s
         self.default_method = next(iter(proposers))
         self._sessions: dict[str, _Session] = {}
         self._queue: list[_Queued] = []
-        self._lock = asyncio.Lock()
-        self._wake = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
-        self.timer, self.stopping = StepTimer(), False
 
-    async def start(self) -> None:
-        self._compute = compute_thread()
-        self._tasks = [asyncio.create_task(self._loop()), asyncio.create_task(self._janitor())]
-
-    async def stop(self) -> None:
-        self.stopping = True
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    def _on_stop(self, reason: BaseException) -> None:
         for item in self._queue:
             if not item.done.done():
-                item.done.set_exception(TierUnavailableError("drafter is stopping"))
-        self._compute.shutdown(wait=False)
+                item.done.set_exception(reason)
 
     # ---- session calls ------------------------------------------------------------------------
     async def open(self, request_id: str, context_ids: list[int], features: torch.Tensor | None,
@@ -139,24 +125,10 @@ class DrafterService:
         async with self._lock:
             return self._forget(request_id)
 
-    def attach(self, request_id: str) -> None:
-        """A Draft stream now carries this context (it is no longer subject to the lease)."""
-        if request_id in self._sessions:
-            self._sessions[request_id].lease.attach()
-
-    def detach(self, request_id: str) -> None:
-        session = self._sessions.get(request_id)
-        if session is not None:
-            session.lease.detach()
-
     def load(self) -> DrafterLoad:
         return DrafterLoad(len(self._sessions), len(self._queue), self.timer.ema_ms, self.timer.steps)
 
     # ---- internals ----------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self.stopping:
-            raise TierUnavailableError("drafter is stopping")
-
     def _check_length(self, tokens: int) -> None:
         """The anchor (position tokens − 1) must have a position for the first draft it predicts."""
         if self.limits.positions is not None and tokens > self.limits.positions:
@@ -176,16 +148,10 @@ class DrafterService:
                                       f"{session.features + rows} feature rows; every position before the anchor "
                                       "needs one")
 
-    async def _janitor(self) -> None:
-        """Free contexts no stream carries for `lease_s` (their router went away between Open and Draft, or
-        between two streams), as the verifier's lease frees KV slots."""
-        while True:
-            await asyncio.sleep(self.lease_s / 4)
-            now = time.monotonic()
-            async with self._lock:
-                for rid, s in list(self._sessions.items()):
-                    if s.lease.expired(self.lease_s, now):
-                        self._forget(rid)
+    def _expire(self, request_id: str) -> None:
+        """A context no stream carried for `lease_s` (its router went away between Open and Draft, or between two
+        streams), freed as the verifier's lease frees KV slots."""
+        self._forget(request_id)
 
     def _forget(self, request_id: str) -> bool:
         session = self._sessions.pop(request_id, None)
@@ -196,30 +162,23 @@ class DrafterService:
             item.done.cancel()
         return session is not None
 
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wake.wait()
-            await gather_window(self._wake, self._all_queued, self.batch_window_s)
-            self._wake.clear()
-            async with self._lock:
-                batch, self._queue = self._queue, []
-                if not batch:
-                    continue
-                t0 = time.perf_counter()
-                try:
-                    blocks = await loop.run_in_executor(self._compute, self._propose_all, batch)
-                except Exception as error:
-                    for item in batch:
-                        if not item.done.done():
-                            item.done.set_exception(error)
-                    continue
-                self.timer.record((time.perf_counter() - t0) * 1000)
-            for item in batch:
-                if not item.done.done():
-                    item.done.set_result(blocks.get(item.request_id, DraftBlock(tokens=[])))
+    async def _steps(self) -> None:
+        async with self._lock:
+            batch, self._queue = self._queue, []
+            if not batch:
+                return
+            try:
+                blocks = await self.compute(self._propose_all, batch)
+            except Exception as error:
+                for item in batch:
+                    if not item.done.done():
+                        item.done.set_exception(error)
+                return
+        for item in batch:
+            if not item.done.done():
+                item.done.set_result(blocks.get(item.request_id, DraftBlock(tokens=[])))
 
-    def _all_queued(self) -> bool:
+    def _ready(self) -> bool:
         return len({item.request_id for item in self._queue}) >= len(self._sessions)
 
     def _propose_all(self, batch: list[_Queued]) -> dict[str, DraftBlock]:

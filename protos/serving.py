@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from protos.status import abort_with
 from services.errors import InvalidRequestError
 from services.tls import TlsMaterial
 
@@ -83,3 +84,30 @@ def channel(address: str, tls: TlsMaterial | None = None) -> grpc.aio.Channel:
                                                certificate_chain=tls.cert)
     name = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
     return grpc.aio.secure_channel(address, credentials, options=OPTIONS + name)
+
+
+async def session_stream(request_iterator, context: grpc.aio.ServicerContext, service, handle, name: str):
+    """The reply stream of a Verify or Draft stream: one request per stream, attached to its session (so its lease
+    does not free it) while the stream lasts; `handle(msg)` → (reply, error) per message. A message that is
+    rejected ends the stream with its status and changes nothing, the request included; any other end of the
+    stream (the client closed or went away) releases the request, shielded from the cancellation."""
+    attached: str | None = None
+    release = True
+    try:
+        async for msg in request_iterator:
+            if attached is None:
+                attached = msg.request_id
+                service.attach(attached)
+            if msg.request_id != attached:
+                release = False
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"one request per {name} stream")
+            reply, error = await handle(msg)
+            if error is not None:
+                release = False
+                await abort_with(context, error)
+            yield reply
+    finally:
+        if attached is not None:
+            service.detach(attached)
+            if release:
+                await asyncio.shield(service.release(attached))

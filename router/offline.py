@@ -9,7 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from router.scheduling.policy import Policy, max_verify_len, verify_len
+from router.scheduling.planner import VerifyPlanner
+from router.scheduling.policy import Policy, max_verify_len
+from router.session import finish_reason, keep
 from services.errors import CapacityError
 from services.types import DraftBlock, FinishReason, OutcomeKind, Proposer, SamplingParams, StepOutput
 
@@ -80,6 +82,7 @@ class _Session:
         return self.request.params.max_tokens - len(self.output)
 
 
+OFFLINE_POLICIES = (Policy.NONE, Policy.FIXED, Policy.MTP1)
 TokenCallback = Callable[[str, list[int]], None]
 # Called once per verified cycle with the block sent (ℓ drafts, confidences) and the verifier's outcome.
 CycleObserver = Callable[[str, DraftBlock | None, StepOutput], None]
@@ -90,6 +93,9 @@ class LocalRouter:
                  gamma: int = 4, observer: CycleObserver | None = None):
         if policy is not Policy.NONE and proposer is None:
             raise ValueError(f"policy {policy} needs a drafter")
+        if policy not in OFFLINE_POLICIES:  # threshold and dspark plan against a verifier's load and SPS profile
+            raise ValueError(f"the in-process router serves policies {', '.join(OFFLINE_POLICIES)}, not {policy}")
+        self.planner = VerifyPlanner()
         self.engine, self.proposer, self.policy, self.gamma = engine, proposer, policy, gamma
         self.observer = observer
 
@@ -137,7 +143,9 @@ class LocalRouter:
         for rid, session in ready.items():
             block = blocks.get(rid)
             if block is not None:
-                block = block.head(verify_len(self.policy, len(block), bounds[rid]))
+                params = session.request.params
+                ell = self.planner.decide(rid, self.policy, "", params.greedy, block, bounds[rid]).verify_len
+                block = block.head(ell)
             self.engine.submit(rid, block)
             session.in_flight, session.block = True, block
 
@@ -159,22 +167,15 @@ class LocalRouter:
                 session.proposed_per_pos.extend([0] * (out.num_drafts - len(session.proposed_per_pos)))
             for k in range(out.num_drafts):
                 session.proposed_per_pos[k] += 1
-        new = []
-        stops = session.request.stop_token_ids
-        for token in out.emitted:
-            if session.remaining <= 0 or (session.output and session.output[-1] in stops):
-                break
-            session.output.append(token)
-            new.append(token)
+        req = session.request
+        new = keep(out.emitted, session.output, req.params.max_tokens, req.stop_token_ids)
+        session.output.extend(new)
         return new
 
     @staticmethod
     def _finish_reason(session: _Session) -> FinishReason | None:
-        if session.output and session.output[-1] in session.request.stop_token_ids:
-            return FinishReason.STOP
-        if session.remaining <= 0:
-            return FinishReason.LENGTH
-        return None
+        req = session.request
+        return finish_reason(session.output, req.params.max_tokens, req.stop_token_ids)
 
     def _close(self, session: _Session, finish: FinishReason) -> GenerationResult:
         rid = session.request.request_id

@@ -22,7 +22,7 @@ from opentelemetry import trace
 
 from router.metrics import RouterMetrics
 from router.scheduling.planner import Decision, VerifyPlanner
-from router.scheduling.policy import Policy, max_verify_len, verify_len
+from router.scheduling.policy import Policy, max_verify_len
 from router.session import Chunk, RouterRequest, Session, Speculation, resolve
 from router.text_stream import TextStream
 from router.tiers.protocol import DrafterTier, VerifierTier
@@ -97,7 +97,9 @@ class Router:
 
     async def generate(self, request: RouterRequest) -> AsyncIterator[Chunk]:
         """Stream the request's output, one chunk for the first token and one per cycle after it."""
-        spec = self.speculation(request.speculative)
+        spec = request.speculative
+        if not isinstance(spec, Speculation):
+            spec = self.speculation(spec)
         rid = request.request_id
         if rid in self._active:  # its release would free the other request's KV slot and context
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
@@ -165,7 +167,7 @@ class Router:
             block = await self._draft(s, bound) if bound > 0 else None
             decision = None
             if block:
-                block, decision = self._schedule(s, block.head(verify_len(s.spec.policy, len(block), bound)))
+                block, decision = self._schedule(s, block, bound)
             with self.tracer.start_as_current_span("verify") as vspan:
                 sent = time.perf_counter()
                 done = await self._verify(s, block)
@@ -184,12 +186,12 @@ class Router:
                                  "dspark.emitted": len(kept)})
             return self._chunk(s, kept, text)
 
-    def _schedule(self, s: Session, block: DraftBlock) -> tuple[DraftBlock, Decision]:
-        """Trim a block (capped by γ and the token budget) to the policy's ℓ."""
+    def _schedule(self, s: Session, block: DraftBlock, bound: int) -> tuple[DraftBlock, Decision]:
+        """Trim a block to the ℓ the planner decides (at most `bound`, γ and the token budget)."""
         with self.tracer.start_as_current_span("schedule") as span:
             t0 = time.perf_counter()
             d = self.planner.decide(s.request.request_id, s.spec.policy, s.spec.method, s.params.greedy, block,
-                                    s.spec.min_tokens_per_s * s.cycle_s)
+                                    bound, s.spec.min_tokens_per_s * s.cycle_s)
             source = None if d.plan is None else d.plan.source
             self.metrics.scheduled(d.drafted, d.verify_len, time.perf_counter() - t0,
                                    None if d.plan is None else d.plan.budget, source)

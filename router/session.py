@@ -32,7 +32,9 @@ class RouterRequest:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     stop: tuple[str, ...] = ()  # stop strings, excluded from the text
     stop_token_ids: tuple[int, ...] = ()  # the model's EOS unless ignore_eos, plus the request's own
-    speculative: dict | None = None  # per-request {"method", "policy", "gamma"}; None = deployment default
+    # Resolved by admission (`router/api/admission.py`); in-process callers may give the raw options
+    # {"method", "policy", "gamma", "min_tokens_per_s"}, which `Router.generate` resolves. None: the default.
+    speculative: Speculation | dict | None = None
 
 
 @dataclass(slots=True)
@@ -101,21 +103,34 @@ class Session:
     def commit(self, emitted: list[int]) -> tuple[list[int], str]:
         """Append a cycle's tokens up to max_tokens / a stop token / a stop string → (kept, text delta)."""
         self.new_ids.extend(emitted)  # the drafter mirrors the verifier's committed tokens, cuts or not
-        take = []
-        for token in emitted:
-            if self.remaining - len(take) <= 0 or (take and take[-1] in self.request.stop_token_ids):
-                break
-            take.append(token)
-        kept, text = self.text.feed(take)
+        kept, text = self.text.feed(keep(emitted, self.output, self.params.max_tokens, self.request.stop_token_ids))
         self.output.extend(kept)
         return kept, text
 
     def finish_reason(self) -> FinishReason | None:
-        if self.text.stopped or (self.output and self.output[-1] in self.request.stop_token_ids):
-            return FinishReason.STOP
-        if self.remaining <= 0:
-            return FinishReason.LENGTH
-        return None
+        return finish_reason(self.output, self.params.max_tokens, self.request.stop_token_ids, self.text.stopped)
+
+
+# The commit and finish rules of a request, shared by both routers (this one and `router/offline.py`).
+def keep(emitted: list[int], output: list[int], max_tokens: int, stop_token_ids: tuple[int, ...]) -> list[int]:
+    """The prefix of a cycle's emitted tokens a request keeps: none past max_tokens, none after a stop token."""
+    take: list[int] = []
+    for token in emitted:
+        last = take[-1] if take else (output[-1] if output else None)
+        if len(output) + len(take) >= max_tokens or last in stop_token_ids:
+            break
+        take.append(token)
+    return take
+
+
+def finish_reason(output: list[int], max_tokens: int, stop_token_ids: tuple[int, ...],
+                  stopped_by_text: bool = False) -> FinishReason | None:
+    """STOP after a stop token (or a stop string), LENGTH at max_tokens, None while the request goes on."""
+    if stopped_by_text or (output and output[-1] in stop_token_ids):
+        return FinishReason.STOP
+    if len(output) >= max_tokens:
+        return FinishReason.LENGTH
+    return None
 
 
 def resolve(options: dict | None, default: Speculation, methods: set[str], max_gamma: int) -> Speculation:

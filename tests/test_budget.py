@@ -8,9 +8,9 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.scheduling.algorithm1 import SpsCurve, survival
 from router.scheduling.budget import VerifierView, VerifyBudget, leading, plan_budget, sla_len
 from router.scheduling.planner import VerifyPlanner
+from router.scheduling.sps import SpsCurve, survival
 
 MEASURED = SpsCurve((1, 2, 4, 8, 16, 32, 64, 128), (18.5, 25.4, 27.2, 31.1, 38.7, 56.1, 85.6, 139.9))  # this CPU
 ROW = survival([0.8, 0.8, 0.7, 0.7, 0.6, 0.6, 0.5])

@@ -9,8 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from drafter_worker.ngram import NgramProposer
-from router.scheduling.policy import Policy, max_verify_len, verify_len
+from router.scheduling.planner import VerifyPlanner
+from router.scheduling.policy import Policy, max_verify_len
 from services.tokenizer import TextTokenizer
+from services.types import DraftBlock
 from training.tiny_model import build_tiny_model
 
 
@@ -42,6 +44,9 @@ def test_policies():
     assert max_verify_len(Policy.FIXED, 4, 100) == 4
     assert max_verify_len(Policy.FIXED, 4, 3) == 2  # a cycle emits up to ℓ + 1 tokens
     assert max_verify_len(Policy.FIXED, 4, 1) == 0
+    def verify_len(policy, block_len, bound):  # ℓ as the planner decides it, the one place that does
+        block = DraftBlock(list(range(1, block_len + 1)), confidences=[0.5] * block_len)
+        return VerifyPlanner().decide("r", policy, "ngram", True, block, bound).verify_len
     assert verify_len(Policy.FIXED, 3, 4) == 3
     assert verify_len(Policy.FIXED, 6, 4) == 4
     assert verify_len(Policy.NONE, 6, 4) == 0

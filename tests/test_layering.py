@@ -10,6 +10,8 @@ the only package that imports Ray; the router reaches the tiers only through `se
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,3 +91,20 @@ def test_an_upward_import_is_caught(tmp_path, package, line, banned):
     (tmp_path / package / "planted.py").write_text(body)
     (found,) = violations(tmp_path)
     assert f"{package}/planted.py" in found and banned in found
+
+
+def loaded_by(*modules: str, cwd: Path = ROOT) -> list[str]:
+    """The project modules a fresh interpreter holds after importing `modules` (what a process loads)."""
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in modules) +
+            f"print('\\n'.join(sorted(n for n in sys.modules if n.split('.')[0] in {sorted(ALLOWED)!r})))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def test_a_drafter_replica_loads_only_the_drafter_tier():
+    """What Ray loads for a DrafterReplica: its actor module, then the drafter's composition root. Of the
+    verifier only its settings (the actor module declares both replica kinds); no router, HTTP or training."""
+    loaded = loaded_by("cluster.actors", "drafter_worker.main")
+    tops = {m.split(".")[0] for m in loaded}
+    assert tops == {"cluster", "drafter_worker", "protos", "services", "verifier_worker"}
+    assert [m for m in loaded if m.startswith("verifier_worker.")] == ["verifier_worker.settings"]

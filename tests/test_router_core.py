@@ -68,7 +68,7 @@ def test_threshold_policy_reads_only_the_estimates_of_the_prefix():
     planner = VerifyPlanner(threshold=0.5)  # no outcomes yet: the estimates are the signals themselves
 
     def ell(policy, block, needed=0.0):
-        return planner.decide("r", policy, "dspark", True, block, needed).verify_len
+        return planner.decide("r", policy, "dspark", True, block, len(block), needed).verify_len
 
     block = DraftBlock(tokens=[5, 6, 7, 8], confidences=[0.9, 0.8, 0.3, 0.9])
     assert ell(Policy.THRESHOLD, block) == 2  # a_3 = 0.216 < 0.5

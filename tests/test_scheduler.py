@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.scheduling.algorithm1 import SpsCurve, schedule, survival
+from router.scheduling.algorithm1 import schedule
+from router.scheduling.sps import SpsCurve, survival
 
 
 def linear_sps(fixed_ms: float = 20.0, per_token_ms: float = 0.5):

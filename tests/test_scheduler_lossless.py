@@ -13,8 +13,9 @@ import numpy as np
 import torch
 from scipy.stats import chisquare
 
-from router.scheduling.algorithm1 import schedule, survival
+from router.scheduling.algorithm1 import schedule
 from router.scheduling.budget import VerifierView, VerifyBudget, leading, plan_budget
+from router.scheduling.sps import survival
 from services.sampling import accept_stochastic
 
 P1 = np.array([0.5, 0.3, 0.2])

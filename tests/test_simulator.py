@@ -13,7 +13,7 @@ from benchmarks.simulator import Arm, Cluster, CostModel, DraftCost, Simulation,
 from benchmarks.simulator.calibrate import calibrate, load_results
 from benchmarks.simulator.policies import OWN_LOAD, SimBudget
 from benchmarks.simulator.studies import validate
-from router.scheduling.algorithm1 import SpsCurve
+from router.scheduling.sps import SpsCurve
 
 STEP_S = 0.010
 

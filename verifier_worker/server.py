@@ -7,14 +7,13 @@ block) the stream ends with that status and the request is kept, so the router c
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 from opentelemetry import trace
 
 from protos import codec, validate
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
+from protos.serving import session_stream
 from protos.status import abort_with
 from services.tracing import context_from
 from verifier_worker.profile import SpsPoint
@@ -42,26 +41,8 @@ class VerifierServicer(rpc.VerifierServicer):
                                    committed=done.committed, features=codec.tensor_to_pb(done.features, dtype))
 
     async def Verify(self, request_iterator, context: grpc.aio.ServicerContext):
-        attached: str | None = None
-        release = True
-        try:
-            async for msg in request_iterator:
-                if attached is None:
-                    attached = msg.request_id
-                    self.service.attach(attached)
-                if msg.request_id != attached:
-                    release = False
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "one request per Verify stream")
-                reply, error = await self._verify_one(msg)
-                if error is not None:
-                    release = False  # a rejected message changes nothing, the request included
-                    await abort_with(context, error)
-                yield reply
-        finally:
-            if attached is not None:
-                self.service.detach(attached)
-                if release:
-                    await asyncio.shield(self.service.release(attached))
+        async for reply in session_stream(request_iterator, context, self.service, self._verify_one, "Verify"):
+            yield reply
 
     async def _verify_one(self, msg: pb.VerifyRequest) -> tuple[pb.VerifyReply | None, Exception | None]:
         with self.tracer.start_as_current_span("verifier.verify", context=context_from(msg.traceparent)) as span:

@@ -12,16 +12,14 @@ else is stale (`StaleCycleError`) and changes nothing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from services.batching import StepTimer, compute_thread, gather_window
 from services.errors import InvalidRequestError, StaleCycleError, TierUnavailableError
 from services.lease import Lease
+from services.tier_loop import TierLoop
 from services.types import (
     DraftBlock,
     OutcomeKind,
@@ -46,30 +44,13 @@ class _Session:
     waiter: asyncio.Future | None = None
 
 
-class VerifierService:
+class VerifierService(TierLoop):
+    role = "verifier"
+
     def __init__(self, engine: Engine, model_name: str = "", lease_s: float = 60.0, batch_window_s: float = 0.005):
-        self.engine, self.model_name, self.lease_s = engine, model_name, lease_s
-        self.batch_window_s = batch_window_s
+        super().__init__(lease_s, batch_window_s)
+        self.engine, self.model_name = engine, model_name
         self._sessions: dict[str, _Session] = {}
-        self._lock = asyncio.Lock()
-        self._wake = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
-        self.timer, self.stopping = StepTimer(), False
-
-    # ---- lifecycle ----------------------------------------------------------------------------
-    async def start(self) -> None:
-        self._compute = compute_thread()
-        self._tasks = [asyncio.create_task(self._loop()), asyncio.create_task(self._janitor())]
-
-    async def stop(self) -> None:
-        self.stopping = True
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for rid in list(self._sessions):
-            self._drop(rid, TierUnavailableError("verifier is stopping"))
-        self._compute.shutdown(wait=False)
 
     # ---- session calls ------------------------------------------------------------------------
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -113,16 +94,6 @@ class VerifierService:
         async with self._lock:
             return self._drop(request_id, asyncio.CancelledError())
 
-    def attach(self, request_id: str) -> None:
-        """A Verify stream now carries this request (it is no longer subject to the lease)."""
-        if request_id in self._sessions:
-            self._sessions[request_id].lease.attach()
-
-    def detach(self, request_id: str) -> None:
-        session = self._sessions.get(request_id)
-        if session is not None:
-            session.lease.detach()
-
     def load(self) -> VerifierLoad:
         usage = self.engine.cache.usage()
         return VerifierLoad(
@@ -132,10 +103,6 @@ class VerifierService:
         )
 
     # ---- internals ----------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self.stopping:
-            raise TierUnavailableError("verifier is stopping")
-
     def _drop(self, request_id: str, reason: BaseException) -> bool:
         session = self._sessions.pop(request_id, None)
         self.engine.release(request_id)
@@ -144,25 +111,22 @@ class VerifierService:
             session.waiter.set_exception(reason)
         return session is not None
 
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wake.wait()
-            await gather_window(self._wake, self._all_submitted, self.batch_window_s)
-            self._wake.clear()
-            while self.engine.has_work():
-                async with self._lock:
-                    t0 = time.perf_counter()
-                    try:
-                        outputs = await loop.run_in_executor(self._compute, self.engine.step)
-                    except Exception:
-                        self._fail_all()
-                        break
-                    self.timer.record((time.perf_counter() - t0) * 1000)
-                    for out in outputs:
-                        self._deliver(out)
-                if not outputs:
-                    break  # waiting requests with every slot taken by idle sessions: wait for a release
+    async def _steps(self) -> None:
+        while self.engine.has_work():
+            async with self._lock:
+                try:
+                    outputs = await self.compute(self.engine.step)
+                except Exception:
+                    self._fail_all()
+                    return
+                for out in outputs:
+                    self._deliver(out)
+            if not outputs:
+                return  # waiting requests with every slot taken by idle sessions: wait for a release
+
+    def _on_stop(self, reason: BaseException) -> None:
+        for rid in list(self._sessions):
+            self._drop(rid, reason)
 
     def _fail_all(self) -> None:
         """A step raised: its batch's state is unknown, so every request here is dropped as if this replica had
@@ -172,7 +136,7 @@ class VerifierService:
         for rid in list(self._sessions):
             self._drop(rid, TierUnavailableError("verifier step failed"))
 
-    def _all_submitted(self) -> bool:
+    def _ready(self) -> bool:
         """Every prefilled session has its next cycle queued."""
         return not any(s.prefilled and s.waiter is None for s in self._sessions.values())
 
@@ -189,16 +153,12 @@ class VerifierService:
         if waiter is not None and not waiter.done():
             waiter.set_result(out)
 
-    async def _janitor(self) -> None:
-        """Free requests no stream has carried for `lease_s`: prefilled but never attached, or left between two
-        streams (their router went away). A request between a stream's end and the next is not freed early."""
-        while True:
-            await asyncio.sleep(self.lease_s / 4)
-            now = time.monotonic()
-            async with self._lock:
-                for rid, s in list(self._sessions.items()):
-                    if s.waiter is None and s.lease.expired(self.lease_s, now):
-                        self._drop(rid, TierUnavailableError("lease expired"))
+    def _expired(self, session: _Session, now: float) -> bool:
+        """Prefilled but never attached, or left between two streams (a request mid-cycle is not freed)."""
+        return session.waiter is None and session.lease.expired(self.lease_s, now)
+
+    def _expire(self, request_id: str) -> None:
+        self._drop(request_id, TierUnavailableError("lease expired"))
 
 
 class LocalVerifier:

@@ -1,7 +1,7 @@
 """The simulator's contracts: what a cluster costs, what an arm does, what load it sees, what comes out.
 
 Everything is in seconds and tokens. The verifier's cost is its profiled step time
-(`router.scheduling.algorithm1.SpsCurve`, piecewise-linear in batch tokens B and extrapolated linearly past the
+(`router.scheduling.sps.SpsCurve`, piecewise-linear in batch tokens B and extrapolated linearly past the
 table), so a profile from any machine (this CPU's, or an illustrative GPU's) drops in; the rest of a cycle is a
 few calibrated constants.
 """
@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from router.scheduling.algorithm1 import SpsCurve
+from router.scheduling.sps import SpsCurve
 
 POLICIES = ("none", "mtp1", "fixed", "dspark")
 

@@ -63,8 +63,9 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 def known_error(error: Exception) -> tuple[int, dict]:
     """The status and body of an error the tiers raise on purpose (500 for anything else)."""
     for cls, (status, code) in KNOWN.items():
-        if isinstance(error, cls):
-            return status, error_body(status, str(error), code=code)
+        if isinstance(error, cls):  # admission's errors name the field at fault and their own code
+            return status, error_body(status, str(error), getattr(error, "param", None),
+                                      getattr(error, "code", None) or code)
     return 500, error_body(500, f"internal error ({type(error).__name__})")
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import uuid
 
 import grpc
 
@@ -12,6 +11,7 @@ from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.status import abort_with
 from protos.validate import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from router.api.admission import Admission
 from router.router import Router
 from router.session import RouterRequest
 from services.errors import InvalidRequestError
@@ -20,13 +20,11 @@ from services.tokenizer import TextTokenizer
 
 class RouterServicer(rpc.RouterServicer):
     def __init__(self, router: Router, tokenizer: TextTokenizer, max_model_len: int):
-        self.router, self.tokenizer, self.max_model_len = router, tokenizer, max_model_len
+        self.router, self.admit = router, Admission(router, tokenizer, max_model_len)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             req = self._request(request)
-            self.router.speculation(req.speculative)
-            self.router.check_capacity()
         except Exception as error:
             await abort_with(context, error)
         client_id = request.request_id or req.request_id
@@ -42,12 +40,9 @@ class RouterServicer(rpc.RouterServicer):
     def _request(self, msg: pb.GenerateRequest) -> RouterRequest:
         if bool(msg.prompt_ids) == bool(msg.prompt):
             raise InvalidRequestError("give exactly one of prompt_ids and prompt")
-        vocab = self.tokenizer.vocab_size
-        ids = validate.token_ids(msg.prompt_ids, vocab, "prompt") or self.tokenizer.encode(msg.prompt)
+        ids = self.admit.token_ids(msg.prompt_ids, "prompt") or self.admit.encode(msg.prompt, "prompt")
         params = validate.params(msg.params)
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                                      f"context of {self.max_model_len} tokens")
+        self.admit.max_tokens(params.max_tokens, len(ids), "prompt")
         s = msg.speculative
         spec = {k: v for k, v in (("method", s.method), ("policy", s.policy), ("gamma", s.gamma),
                                   ("min_tokens_per_s", s.min_tokens_per_s)) if v} or None
@@ -55,12 +50,4 @@ class RouterServicer(rpc.RouterServicer):
             raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} non-empty stop strings")
         if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
-        stop_ids = validate.token_ids(msg.stop_token_ids, vocab, "stop")
-        eos = () if msg.ignore_eos else tuple(self.tokenizer.eos_token_ids)
-        return RouterRequest(ids, params, _session_id(msg.request_id), tuple(msg.stop), (*eos, *stop_ids), spec)
-
-
-def _session_id(client_id: str) -> str:
-    """The id the tiers key this request's sessions by: unique even when clients reuse theirs, since a request
-    rejected as a duplicate would still release the sessions of the one it collided with."""
-    return f"{client_id}-{uuid.uuid4().hex[:8]}" if client_id else uuid.uuid4().hex
+        return self.admit(ids, params, msg.request_id, tuple(msg.stop), msg.stop_token_ids, msg.ignore_eos, spec)

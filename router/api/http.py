@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 
+from router.api.admission import Admission
 from router.api.errors import ApiError, documented, error_response, install_error_handlers, known_error
 from router.api.openai import (
     ChatCompletionRequest,
@@ -123,58 +124,27 @@ class Health(BaseModel):
     tiers: dict[str, bool]
 
 
-class Admission:
-    """Turns a validated body into a `RouterRequest`, or raises the 400 or 429 that says why not."""
+class HttpAdmission:
+    """An OpenAI body → a `RouterRequest` (the shared `Admission`), or the 400 that says why not."""
 
     def __init__(self, router: Router, tokenizer: TextTokenizer, config: ApiConfig):
-        self.router, self.tokenizer, self.config = router, tokenizer, config
-        # Tokenizing is slow and superlinear (a 4 MB prompt holds the event loop for a minute), so a text
-        # that cannot fit is refused by length first: no token spells more characters than the longest one
-        # (special tokens, which decode to nothing here, are short markers).
-        longest = max(len(tokenizer.decode([i])) for i in range(tokenizer.vocab_size))
-        self.max_chars = config.max_model_len * max(longest, 1)
+        self.config, self.admit = config, Admission(router, tokenizer, config.max_model_len)
 
     def __call__(self, body: CompletionRequest | ChatCompletionRequest, request_id: str) -> RouterRequest:
         if body.model != self.config.model:
             raise ApiError(400, f"model {body.model!r} does not exist; this server serves {self.config.model!r}",
                            "model", "model_not_found")
-        prompt_ids = self._prompt_ids(body)
-        eos = () if body.ignore_eos else tuple(self.tokenizer.eos_token_ids)
-        spec = body.speculative.model_dump(exclude_none=True) if body.speculative else None
-        req = RouterRequest(prompt_ids=prompt_ids, params=body.sampling(self._max_tokens(body, len(prompt_ids))),
-                            request_id=f"{request_id}-{uuid.uuid4().hex[:8]}",  # unique if a client reuses its id
-                            stop=body.stops(), speculative=spec,
-                            stop_token_ids=(*eos, *self._in_vocab(body.stop_token_ids or [], "stop_token_ids")))
-        self.router.speculation(spec)  # 400 now for options this deployment does not serve
-        self.router.check_capacity()
-        return req
-
-    def _prompt_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
-            return self._encode(render([m.model_dump() for m in body.messages], add_generation_prompt=True),
-                                "messages")
-        if isinstance(body.prompt, str):
-            return self._encode(body.prompt, "prompt")
-        return self._in_vocab(body.prompt, "prompt")
-
-    def _encode(self, text: str, param: str) -> list[int]:
-        if len(text) > self.max_chars:
-            raise ApiError(400, f"the {param} cannot fit this model's maximum context length of "
-                           f"{self.config.max_model_len} tokens", param, "context_length_exceeded")
-        return self.tokenizer.encode(text)
-
-    def _in_vocab(self, ids: list[int], param: str) -> list[int]:
-        if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
-            raise ApiError(400, f"{param} must lie in [0, {self.tokenizer.vocab_size})", param, "invalid_request")
-        return list(ids)
-
-    def _max_tokens(self, body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int) -> int:
-        wanted, room = body.wanted_tokens(), self.config.max_model_len - prompt_tokens
-        if room < 1 or (wanted or 0) > room:
-            raise ApiError(400, f"this model's maximum context length is {self.config.max_model_len} tokens; the "
-                           f"request has {prompt_tokens} prompt tokens and asks for {wanted or 'at least 1'} more",
-                           "max_tokens" if room >= 1 else body.prompt_param, "context_length_exceeded")
-        return wanted or room
+            prompt_ids = self.admit.encode(render([m.model_dump() for m in body.messages],
+                                                  add_generation_prompt=True), "messages")
+        elif isinstance(body.prompt, str):
+            prompt_ids = self.admit.encode(body.prompt, "prompt")
+        else:
+            prompt_ids = self.admit.token_ids(body.prompt, "prompt")
+        max_tokens = self.admit.max_tokens(body.wanted_tokens(), len(prompt_ids), body.prompt_param)
+        spec = body.speculative.model_dump(exclude_none=True) if body.speculative else None
+        return self.admit(prompt_ids, body.sampling(max_tokens), request_id, body.stops(), body.stop_token_ids or [],
+                          body.ignore_eos, spec)
 
 
 async def _prepend(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
@@ -190,7 +160,7 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
     digests = [hashlib.sha256(k.encode()).digest() for k in config.api_keys]
     app.add_middleware(Gatekeeper, digests=digests, max_body_bytes=config.max_body_bytes)
     install_error_handlers(app)
-    admit = Admission(router, tokenizer, config)
+    admit = HttpAdmission(router, tokenizer, config)
 
     async def respond(body: CompletionRequest | ChatCompletionRequest, request: Request, kind: str):
         req = admit(body, request.state.request_id)

@@ -1,4 +1,6 @@
-"""Confidence-scheduled verify lengths: DSpark's Algorithm 1 as a pure function (docs/design.md §6).
+"""DSpark's Algorithm 1 in its batch form, as a pure function: the REFERENCE the tests hold the rule to
+(docs/design.md §6). What the router runs is the streaming form, `router/scheduling/budget.py`, which plans
+each verifier's budget from the previous blocks' survivals instead of waiting for every block of a step.
 
 Vocabulary: R requests each hold a draft block with calibrated confidences c_{r,1..γ}; the survival
 a_{r,j} = Π_{i≤j} c_{r,i} is the probability that draft j is accepted. Verifying ℓ_r drafts of request r
@@ -14,46 +16,7 @@ c_{r,j+1}) could change it; a search that picks the best prefix in hindsight is 
 
 from __future__ import annotations
 
-import bisect
-import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-
-
-def survival(confidences: Sequence[float]) -> list[float]:
-    """c_1..c_γ → a_1..a_γ (cumulative products, non-increasing)."""
-    out, a = [], 1.0
-    for c in confidences:
-        a *= c
-        out.append(a)
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class SpsCurve:
-    """SPS(B) from a profiled table of (batch tokens, ms per step), linear in step time between points.
-
-    Beyond the last point the step time grows linearly with the slope of the last two points, so the
-    curve keeps falling instead of flattening at the table's edge.
-    """
-
-    batch_tokens: tuple[int, ...]  # increasing
-    step_ms: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.batch_tokens) < 2 or list(self.batch_tokens) != sorted(set(self.batch_tokens)):
-            raise ValueError("an SPS table needs at least two increasing batch sizes")
-        if any(not (ms > 0 and math.isfinite(ms)) for ms in self.step_ms):
-            raise ValueError("step times must be positive")
-
-    def ms(self, b: int) -> float:
-        xs, ys = self.batch_tokens, self.step_ms
-        i = min(max(bisect.bisect_left(xs, b), 1), len(xs) - 1)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return max(y0 + (y1 - y0) * (b - x0) / (x1 - x0), 1e-6)
-
-    def __call__(self, b: int) -> float:
-        return 1000.0 / self.ms(b)
 
 
 def schedule(survivals: Mapping[str, Sequence[float]], sps: Callable[[int], float],

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.scheduling.acceptance import AcceptanceModel
-from router.scheduling.algorithm1 import SpsCurve, survival
 from router.scheduling.board_view import BoardView
 from router.scheduling.budget import Plan, VerifierView, VerifyBudget, leading, sla_len
 from router.scheduling.policy import Policy
+from router.scheduling.sps import SpsCurve, survival
 from services.types import DraftBlock
 
 
@@ -99,9 +99,16 @@ class VerifyPlanner:
         if policy is Policy.DSPARK:
             self.budget(request_id)[1].observe_cycle(seconds, drafted)
 
-    def decide(self, request_id: str, policy: Policy, method: str, greedy: bool, block: DraftBlock,
+    def decide(self, request_id: str, policy: Policy, method: str, greedy: bool, block: DraftBlock, bound: int,
                tokens_needed: float = 0.0) -> Decision:
-        """ℓ for a block already capped by γ and the token budget; `tokens_needed` = SLA tokens per cycle."""
+        """ℓ, decided here and nowhere else. The rule: of the block's first `bound` drafts (bound =
+        `max_verify_len`: γ and the token budget), verify all (fixed, mtp1), none (none), the longest prefix whose
+        survival a_k = Π ĉ_i stays ≥ λ (threshold), or the prefix the verifier's budget buys at its load (dspark);
+        an SLA (`tokens_needed` tokens per cycle) can only lengthen the last two. Non-anticipating: ℓ depends on
+        the confidences, never on the draft tokens themselves. (The verifier's engine only guards its KV room.)"""
+        if policy is Policy.NONE:
+            bound = 0
+        block = block.head(min(len(block), bound))
         signals = AcceptanceModel.signals(block)
         a = survival(self.acceptance.estimate(method, greedy, signals))
         length, plan = len(block), None

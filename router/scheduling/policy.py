@@ -3,7 +3,8 @@
 Every policy here is non-anticipating: ℓ may depend on the block's length, the request's remaining
 token budget and the acceptance estimates c_1..c_k (c_k is computed from x_{k−1}, before x_k is
 drawn), never on the draft tokens themselves. That is what keeps speculative output distributed
-exactly as the target's. `router/scheduling/planner.py` applies them.
+exactly as the target's. `VerifyPlanner.decide` (`router/scheduling/planner.py`) is the one place that
+turns a policy into ℓ; `max_verify_len` only bounds how much is worth drafting.
 """
 
 from __future__ import annotations
@@ -20,16 +21,10 @@ class Policy(StrEnum):
 
 
 def max_verify_len(policy: Policy, gamma: int, remaining_tokens: int) -> int:
-    """Upper bound on ℓ before drafting: a cycle emits at most ℓ + 1 tokens, so never draft past the budget."""
+    """Upper bound on ℓ, known before drafting: γ (1 for MTP-1), and never past the token budget, since a cycle
+    emits at most ℓ + 1 tokens. 0: do not draft this cycle."""
     if policy is Policy.NONE:
         return 0
     if policy is Policy.MTP1:
         gamma = 1
     return max(0, min(gamma, remaining_tokens - 1))
-
-
-def verify_len(policy: Policy, block_len: int, bound: int) -> int:
-    """ℓ for a drafted block of `block_len` tokens under the bound from `max_verify_len`."""
-    if policy is Policy.NONE:
-        return 0
-    return min(block_len, bound)
