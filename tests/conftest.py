@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 
 import pytest
 import torch
@@ -20,6 +21,12 @@ VOCAB = 96
 # Ray in tests: every node on 127.0.0.1 (set before anything imports ray), token authentication on purpose.
 use_loopback()
 os.environ.setdefault(AUTH_ENV, "token")
+# ... and a token for it. Only a new local `ray.init()` writes ~/.ray/auth_token; the head of a
+# `ray.cluster_utils.Cluster` does not, so on a machine that never ran Ray its GCS aborts at start ("couldn't find
+# an authentication token") and the driver reports a 30 s timeout waiting for the GCS port file. That was the
+# fresh-machine failure of tests/test_ray_pools.py (a rerun passed only because test_serve_app's ray.init had
+# written the token by then). One token per test session, inherited by every Ray process the tests start.
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 
 @pytest.fixture(autouse=True)
