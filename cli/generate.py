@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -88,13 +89,24 @@ def run_generate(args: argparse.Namespace) -> int:
         )
         for i, text in enumerate(prompts)
     ]
+    started = time.perf_counter()
     results = router.generate(requests)
+    wall = time.perf_counter() - started
     for text, result in zip(prompts, results, strict=True):
         record = result_record(text, result, tokenizer)
         if args.json:
             sys.stdout.write(json.dumps(record) + "\n")
         else:
             _print_human(record)
+    tokens = sum(len(r.token_ids) for r in results)
+    # The run's throughput: all tokens over the wall time of the batch (what --max-batch changes).
+    summary = {"run": {"requests": len(results), "completion_tokens": tokens, "wall_s": round(wall, 4),
+                       "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0}}
+    if args.json:
+        sys.stderr.write(json.dumps(summary) + "\n")
+    else:
+        Console().print(f"[bold]run: {tokens} tokens from {len(results)} requests in {wall:.2f} s, "
+                        f"{summary['run']['tokens_per_s']:.1f} tok/s")
     return 0
 
 
@@ -113,8 +125,9 @@ def result_record(prompt: str, result: GenerationResult, tokenizer: TextTokenize
         "num_accepted_tokens": result.accepted_tokens,
         "acceptance_rate": round(result.accepted_tokens / drafts, 4) if drafts else None,
         "accepted_per_pos": result.accepted_per_pos,
-        "elapsed_s": round(result.elapsed_s, 4),
-        "tokens_per_s": round(result.tokens_per_s, 2),
+        "queued_s": round(result.queued_s, 4),  # waiting for a slot, before its first scheduled step
+        "elapsed_s": round(result.elapsed_s, 4),  # from its first scheduled step to its last token
+        "tokens_per_s": round(result.tokens_per_s, 2),  # decode speed over elapsed_s
     }
 
 

@@ -50,8 +50,9 @@ class GenerationResult:
     draft_tokens: int  # Σ ℓ over cycles
     accepted_tokens: int
     accepted_per_pos: list[int]  # [γ] cycles whose draft at position k was accepted
-    elapsed_s: float
+    elapsed_s: float  # from the first scheduled step (prefill) to the last token: the request's own speed
     proposed_per_pos: list[int] = field(default_factory=list)  # [γ] cycles that verified a draft at position k
+    queued_s: float = 0.0  # from `generate` to the first scheduled step: the wait for a slot (KV or batch)
 
     @property
     def tau(self) -> float:
@@ -60,13 +61,15 @@ class GenerationResult:
 
     @property
     def tokens_per_s(self) -> float:
+        """Decode speed over the request's own time (queueing excluded: `queued_s`)."""
         return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
 @dataclass(slots=True)
 class _Session:
     request: GenerationRequest
-    started: float
+    queued: float  # when `generate` was called
+    scheduled: float | None = None  # start of the first engine step that served it
     output: list[int] = field(default_factory=list)
     in_flight: bool = False
     cycles: int = 0
@@ -104,14 +107,18 @@ class LocalRouter:
         """Serve all requests with continuous batching; results in the order of `requests`."""
         queue, sessions = deque(requests), {}
         results: dict[str, GenerationResult] = {}
+        called = time.perf_counter()
         while queue or sessions:
-            self._admit(queue, sessions)
+            self._admit(queue, sessions, called)
             self._submit_cycles(sessions)
+            step_started = time.perf_counter()
             outputs = self.engine.step()
             if not outputs and sessions:
                 raise RuntimeError("engine made no progress with requests outstanding")
             for out in outputs:
                 session = sessions[out.request_id]
+                if session.scheduled is None:
+                    session.scheduled = step_started
                 if self.proposer is not None:
                     self.proposer.commit(out.request_id, out.feature_start, out.features)
                 if self.observer is not None and out.kind not in (None, OutcomeKind.FIRST):
@@ -124,7 +131,7 @@ class LocalRouter:
                     results[out.request_id] = self._close(sessions.pop(out.request_id), finish)
         return [results[r.request_id] for r in requests]
 
-    def _admit(self, queue: deque, sessions: dict) -> None:
+    def _admit(self, queue: deque, sessions: dict, called: float) -> None:
         while queue:
             req = queue[0]
             try:
@@ -132,7 +139,7 @@ class LocalRouter:
             except CapacityError:
                 return  # retried after running requests finish
             queue.popleft()
-            sessions[req.request_id] = _Session(req, time.perf_counter())
+            sessions[req.request_id] = _Session(req, called)
 
     def _submit_cycles(self, sessions: dict[str, _Session]) -> None:
         ready = {rid: s for rid, s in sessions.items() if s.output and not s.in_flight}
@@ -193,5 +200,6 @@ class LocalRouter:
             accepted_tokens=session.accepted_tokens,
             accepted_per_pos=session.accepted_per_pos,
             proposed_per_pos=session.proposed_per_pos,
-            elapsed_s=time.perf_counter() - session.started,
+            elapsed_s=time.perf_counter() - session.scheduled,
+            queued_s=session.scheduled - session.queued,
         )

@@ -160,3 +160,14 @@ def test_dense_forward_equals_cached_forward(tiny_model):
         ragged = full_forward(tiny_model, prompt)
         torch.testing.assert_close(dense.logits[b], ragged.logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(dense.features[b], ragged.features, atol=1e-5, rtol=1e-5)
+
+
+def test_a_request_that_waits_for_a_slot_reports_its_wait_apart_from_its_speed(tiny_model):
+    """With one KV slot, the second request is first scheduled only after the first has finished: that wait is
+    its queued_s, not part of the elapsed_s its tokens_per_s is measured over."""
+    params = SamplingParams(max_tokens=12)
+    reqs = [GenerationRequest(f"r{i}", p, params) for i, p in enumerate(random_prompts(2))]
+    first, second = LocalRouter(make_engine(tiny_model, num_slots=1), policy=Policy.NONE).generate(reqs)
+    assert second.queued_s >= first.elapsed_s > 0
+    assert first.queued_s < second.queued_s
+    assert second.tokens_per_s == len(second.token_ids) / second.elapsed_s
