@@ -98,6 +98,8 @@ def add_eval_parsers(sub) -> None:
     cal.add_argument("--prompts-per-domain", type=int, default=32)
     cal.add_argument("--gamma", type=int, default=7)
     cal.add_argument("--temperature", type=float, default=1.0, help="the serving temperature")
+    cal.add_argument("--method", choices=("platt", "sts"), default="platt",
+                     help="platt: a temperature and a bias per position; sts: a temperature per position")
     cal.add_argument("--max-tokens", type=int, default=96)
     cal.add_argument("--batch", type=int, default=16)
 
@@ -133,6 +135,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from services.registry import resolve_model
     from services.tokenizer import TextTokenizer
     from services.types import SamplingParams
+    from training.calibration_fit import fit_platt
     from training.eval import evaluate
     from training.rollouts import prompts
 
@@ -144,9 +147,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=1)
     run = evaluate.run(target, Drafter(model), ids, args.gamma, params, tok.eos_token_ids, args.batch)
     z, labels, valid = run.cycles.tensors(args.gamma)
-    calibration = fit_sts(z, labels, valid, serving_temperature=args.temperature)
+    fit = fit_platt if args.method == "platt" else fit_sts
+    calibration = fit(z, labels, valid, serving_temperature=args.temperature)
     calibration.save(drafter_dir / "calibration.json")
-    _log()(f"STS on {len(z)} held-out cycles: T_k = {[round(t, 3) for t in calibration.position_temperatures]}; "
+    temps = [round(t, 3) for t in calibration.position_temperatures]
+    _log()(f"{args.method} on {len(z)} held-out cycles: T_k = {temps}, "
+           f"b_k = {[round(b, 3) for b in calibration.position_biases]}; "
            f"ECE {[round(100 * e, 1) for e in calibration.ece_before]}% → "
            f"{[round(100 * e, 1) for e in calibration.ece_after]}%; wrote {drafter_dir / 'calibration.json'}")
     return 0

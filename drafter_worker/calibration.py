@@ -40,6 +40,7 @@ import torch
 from services.calibration_metrics import ece
 
 METHOD = "sts"
+METHODS = ("sts", "platt")  # temperature only; temperature and bias (`training/calibration_fit.py`)
 _GRID_SIZE = 200
 _GRID_MIN, _GRID_MAX = 0.05, 20.0
 # ECE values within this of the minimum count as ties: the grid search runs in float32 (errors ~1e-6), so
@@ -59,6 +60,10 @@ class Calibration:
     ece_before: list[float] = field(default_factory=list)  # ECE of a_k with every T = 1
     ece_after: list[float] = field(default_factory=list)  # ECE of a_k with the fitted T
     samples: int = 0  # rollout rows with at least one valid position
+    # b_1..b_γ of c_k = sigmoid(z_k / T_k + b_k): empty for STS. A bias moves sigmoid(0) off ½, which no
+    # temperature can (a head whose logit 0 means 80 % acceptance stays miscalibrated under STS).
+    position_biases: list[float] = field(default_factory=list)
+    method: str = METHOD
 
     def __post_init__(self) -> None:
         temps = [float(t) for t in self.position_temperatures]
@@ -67,6 +72,12 @@ class Calibration:
         if not all(math.isfinite(t) and t > 0 for t in temps):
             raise ValueError(f"position temperatures must be finite and > 0, got {temps}")
         self.position_temperatures = temps
+        biases = [float(b) for b in self.position_biases]
+        if not all(math.isfinite(b) for b in biases):
+            raise ValueError(f"position biases must be finite, got {biases}")
+        self.position_biases = biases
+        if self.method not in METHODS:
+            raise ValueError(f"calibration method {self.method!r}: expected one of {METHODS}")
 
     def temperatures(self, gamma: int) -> torch.Tensor:
         """T for positions 1..gamma as float64 [gamma]; positions past the fitted ones reuse the last T."""
@@ -74,18 +85,25 @@ class Calibration:
         temps = fitted[:gamma] + [fitted[-1]] * max(0, gamma - len(fitted))
         return torch.tensor(temps, dtype=torch.float64)
 
+    def biases(self, gamma: int) -> torch.Tensor:
+        """b for positions 1..gamma as float64 [gamma] (zeros for STS); past the fitted ones the last b."""
+        fitted = self.position_biases or [0.0]
+        return torch.tensor(fitted[:gamma] + [fitted[-1]] * max(0, gamma - len(fitted)), dtype=torch.float64)
+
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Calibrated conditional acceptance c = sigmoid(z / T) of logits z [..., γ'], same shape and dtype."""
-        temps = self.temperatures(logits.shape[-1]).to(device=logits.device)  # [γ']
-        # Divide in float64 so a half-precision head does not round z / T before the sigmoid.
-        return torch.sigmoid(logits.to(torch.float64) / temps).to(logits.dtype)
+        """Calibrated conditional acceptance c = sigmoid(z / T + b) of logits z [..., γ'], same shape and dtype."""
+        gamma = logits.shape[-1]
+        temps = self.temperatures(gamma).to(device=logits.device)  # [γ']
+        biases = self.biases(gamma).to(device=logits.device)  # [γ']
+        # In float64 so a half-precision head does not round z / T before the sigmoid.
+        return torch.sigmoid(logits.to(torch.float64) / temps + biases).to(logits.dtype)
 
     def survival(self, logits: torch.Tensor) -> torch.Tensor:
         """Calibrated prefix survival a_k = prod_{i<=k} c_i of logits z [..., γ'], same shape."""
         return torch.cumprod(self.apply(logits), dim=-1)
 
     def save(self, path: str | Path) -> None:
-        data = {"method": METHOD, **asdict(self)}
+        data = asdict(self)
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
     @classmethod
@@ -97,8 +115,8 @@ class Calibration:
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
         method = data.pop("method", None)
-        if method != METHOD:
-            raise ValueError(f"{path}: calibration method is {method!r}, expected {METHOD!r}")
+        if method not in METHODS:
+            raise ValueError(f"{path}: calibration method is {method!r}, expected one of {METHODS}")
         try:
             return cls(
                 position_temperatures=[float(t) for t in data["position_temperatures"]],
@@ -107,9 +125,11 @@ class Calibration:
                 ece_before=[float(e) for e in data.get("ece_before", [])],
                 ece_after=[float(e) for e in data.get("ece_after", [])],
                 samples=int(data.get("samples", 0)),
+                position_biases=[float(b) for b in data.get("position_biases", [])],
+                method=method,
             )
         except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"{path}: malformed STS calibration file ({type(err).__name__}: {err})") from err
+            raise ValueError(f"{path}: malformed calibration file ({type(err).__name__}: {err})") from err
 
 
 def default_grid() -> torch.Tensor:

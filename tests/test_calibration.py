@@ -224,7 +224,7 @@ def test_load_rejects_bad_files(tmp_path):
     path = tmp_path / "cal.json"
     Calibration(position_temperatures=[1.5], serving_temperature=1.0).save(path)
     data = json.loads(path.read_text())
-    path.write_text(json.dumps({**data, "method": "platt"}))
+    path.write_text(json.dumps({**data, "method": "isotonic"}))  # a method this project does not fit
     with pytest.raises(ValueError, match="method"):
         Calibration.load(path)
     path.write_text(json.dumps({"method": "sts", "serving_temperature": 1.0}))
@@ -254,3 +254,36 @@ def test_plot_reliability_writes_png(tmp_path, shifted):
     blob = path.read_bytes()
     assert len(blob) > 1000
     assert blob[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- temperature + bias: what STS cannot fix ------------------------------------------------------------
+
+
+def test_temperature_and_bias_fix_a_shift_that_temperature_alone_cannot():
+    """True acceptance sigmoid(z_true); the head says z = z_true − 2, so its logit 0 means 88 %, not 50 %: no
+    temperature maps that to the truth, a bias does. Fitted on one sample, judged on another."""
+    from training.calibration_fit import fit_platt
+
+    def head(seed):
+        data = synthetic(offset=0.0, seed=seed)
+        return data["z"] / 3 - 2.0, data["prefix"]  # undo synthetic's ×3, then shift
+
+    z, prefix = head(4)
+    held_z, held_prefix = head(5)
+    sts, platt = fit_sts(z, prefix), fit_platt(z, prefix)
+    assert platt.method == "platt" and len(platt.position_biases) == GAMMA
+    assert platt.position_biases[0] == pytest.approx(2.0, abs=0.3)  # the shift, undone
+    sts_a, platt_a = sts.survival(held_z), platt.survival(held_z)  # [N, γ]
+    for k in range(4):
+        sts_ece, platt_ece = ece(sts_a[:, k], held_prefix[:, k]), ece(platt_a[:, k], held_prefix[:, k])
+        assert platt_ece < 0.02, (k, platt_ece)
+        assert platt_ece < 0.5 * sts_ece, (k, platt_ece, sts_ece)
+
+
+def test_a_platt_calibration_round_trips(tmp_path):
+    cal = Calibration([1.5, 2.0], 1.0, position_biases=[0.5, -0.25], method="platt")
+    cal.save(tmp_path / "calibration.json")
+    again = Calibration.load(tmp_path / "calibration.json")
+    assert again == cal
+    z = torch.tensor([[0.0, 1.0]])
+    assert again.apply(z)[0, 0].item() == pytest.approx(1 / (1 + math.exp(-0.5)))
