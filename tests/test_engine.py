@@ -10,7 +10,7 @@ from router.scheduling.policy import Policy
 from services.errors import CapacityError, InvalidRequestError
 from services.layers import RaggedLayout
 from services.types import DraftBlock, SamplingParams
-from tests.conftest import full_forward, make_engine, random_prompts
+from tests.conftest import VOCAB, full_forward, make_engine, random_prompts
 from verifier_worker.kv_cache import KVCache
 
 
@@ -171,3 +171,20 @@ def test_a_request_that_waits_for_a_slot_reports_its_wait_apart_from_its_speed(t
     assert second.queued_s >= first.elapsed_s > 0
     assert first.queued_s < second.queued_s
     assert second.tokens_per_s == len(second.token_ids) / second.elapsed_s
+
+
+def test_generation_past_1024_positions_is_exact_plain_and_speculative(tiny_model):
+    """Target v2 serves a 2048-position context: a request whose prompt and output cross position 1024 decodes as
+    the full forward says, plainly and with drafts (n-gram, greedy), through chunked prefill."""
+    from drafter_worker.ngram import NgramProposer
+
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(1, VOCAB, (1010,), generator=g).tolist()
+    req = [GenerationRequest("long", prompt, SamplingParams(max_tokens=40))]
+    kw = {"num_slots": 1, "max_len": 1100, "max_batch_tokens": 256}
+    plain = LocalRouter(make_engine(tiny_model, **kw), policy=Policy.NONE).generate(req)[0]
+    assert len(prompt) + len(plain.token_ids) > 1024
+    logits = full_forward(tiny_model, prompt + plain.token_ids).logits
+    assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == plain.token_ids
+    spec = LocalRouter(make_engine(tiny_model, **kw), NgramProposer(), Policy.FIXED, 4).generate(req)[0]
+    assert spec.token_ids == plain.token_ids and spec.cycles < len(plain.token_ids)

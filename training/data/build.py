@@ -40,7 +40,7 @@ class DataConfig:
     eval_prompts: int = 300  # per domain, from the test split
     limit: int | None = None  # documents per file-backed source, for quick builds in tests
     vocab_size: int = 8192
-    max_length: int = 1024  # the tokenizer's model_max_length
+    max_length: int = 2048  # the tokenizer's model_max_length: target v2's context
 
 
 def split_of(key: str, seed: int) -> str:
