@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODEL ?= dspark-target
 PROMPT ?= def fibonacci(n):
 
-.PHONY: install serve test lint bench bench-tiers bench-policies bench-ray soak bench-overload results-serving data \
+.PHONY: install serve test lint bench bench-tiers bench-policies bench-ray soak bench-overload results-serving data target-v2 \
 	data-deps test-deps drafters acceptance image clean
 
 $(BIN)/dspark: pyproject.toml
@@ -77,6 +77,14 @@ test-deps:
 
 data: data-deps $(BIN)/dspark
 	$(BIN)/dspark data build
+
+# Target v2 ([3/6]): corpus v2, then the 16-layer target on 20M tokens (about six hours on 2 cores with native
+# bf16). Resumable: build/train/target-v2 keeps the full state; on a fresh machine the run starts from the
+# newest export committed under runs/target-v2/export (weights and step; optimizer moments rebuilt).
+target-v2: data-deps $(BIN)/dspark
+	@test -f build/data-v2/manifest.json || $(BIN)/dspark data build --out build/data-v2 --eval-dir build/data-v2/eval
+	$(BIN)/dspark train target --data-dir build/data-v2 --run-dir build/train/target-v2 \
+		--out build/train/target-v2/final $$(test -d runs/target-v2/export && echo --resume-from runs/target-v2/export)
 
 # The shipped drafters: target rollouts + feature cache (build/drafters/), then each method's training run,
 # then STS calibration of DSpark's confidences at T = 1. About 80 min on 2 CPU cores.
