@@ -21,7 +21,7 @@ import torch
 from opentelemetry import trace
 
 from router.metrics import RouterMetrics
-from router.scheduling.planner import Decision, VerifyPlanner
+from router.scheduling.planner import CycleRecord, Decision, VerifyPlanner
 from router.scheduling.policy import Policy, max_verify_len
 from router.session import Chunk, RouterRequest, Session, Speculation, resolve
 from router.text_stream import TextStream
@@ -173,13 +173,12 @@ class Router:
                 done = await self._verify(s, block)
                 out = done.output
                 vspan.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted})
-            self.planner.observe_verify(s.request.request_id, time.perf_counter() - sent)
-            if decision is not None:
-                self.planner.learn(s.spec.method, s.params.greedy, decision, out.num_drafts, out.num_accepted)
+            verified_at = time.perf_counter()
+            self.planner.observe(CycleRecord(s.request.request_id, s.spec.policy, s.spec.method, s.params.greedy,
+                                             decision, out.num_drafts, out.num_accepted, verified_at - sent,
+                                             verified_at - started))
             self.metrics.cycle(out.num_drafts, out.num_accepted)
-            s.observe_cycle(time.perf_counter() - started)
-            self.planner.observe_cycle(s.request.request_id, time.perf_counter() - started, s.spec.policy,
-                                       drafted=decision is not None)
+            s.observe_cycle(verified_at - started)
             s.add_features(out.feature_start, out.features)
             kept, text = s.commit(out.emitted)
             span.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted,

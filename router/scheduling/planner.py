@@ -23,6 +23,21 @@ from router.scheduling.sps import SpsCurve, survival
 from services.types import DraftBlock
 
 
+@dataclass(frozen=True, slots=True)
+class CycleRecord:
+    """What one finished cycle teaches the planner: its timing for the budget, its outcome for the estimates."""
+
+    request_id: str
+    policy: Policy
+    method: str
+    greedy: bool
+    decision: Decision | None  # None: the cycle verified no drafts the planner scheduled
+    verified: int  # ℓ the verifier saw
+    accepted: int
+    verify_s: float  # the verify round trip
+    cycle_s: float  # the whole cycle, drafting included
+
+
 @dataclass(slots=True)
 class Decision:
     verify_len: int  # ℓ
@@ -92,12 +107,14 @@ class VerifyPlanner:
         plan = self.budget(request_id)[1].plan
         return "local" if plan is None else plan.source
 
-    def observe_verify(self, request_id: str, seconds: float) -> None:
-        self.budget(request_id)[1].observe_verify(seconds)
-
-    def observe_cycle(self, request_id: str, seconds: float, policy: Policy, drafted: bool) -> None:
-        if policy is Policy.DSPARK:
-            self.budget(request_id)[1].observe_cycle(seconds, drafted)
+    def observe(self, cycle: CycleRecord) -> None:
+        """One call per cycle: round-trip and cycle times to the replica's budget, the outcome to the estimates."""
+        budget = self.budget(cycle.request_id)[1]
+        budget.observe_verify(cycle.verify_s)
+        if cycle.decision is not None:
+            self.acceptance.observe(cycle.method, cycle.greedy, cycle.decision.signals, cycle.verified, cycle.accepted)
+        if cycle.policy is Policy.DSPARK:
+            budget.observe_cycle(cycle.cycle_s, drafted=cycle.decision is not None)
 
     def decide(self, request_id: str, policy: Policy, method: str, greedy: bool, block: DraftBlock, bound: int,
                tokens_needed: float = 0.0) -> Decision:
@@ -118,6 +135,3 @@ class VerifyPlanner:
             engine, budget = self.budget(request_id)
             length, plan = budget.trim(request_id, a, self.view(engine, budget), tokens_needed)
         return Decision(length, len(block), signals, a, plan)
-
-    def learn(self, method: str, greedy: bool, decision: Decision, verified: int, accepted: int) -> None:
-        self.acceptance.observe(method, greedy, decision.signals, verified, accepted)
