@@ -74,8 +74,7 @@ def run_generate(args: argparse.Namespace) -> int:
         proposer = Drafter(draft_model, calibration)
     elif args.method == "ngram":
         proposer = NgramProposer()
-    row_invariant = {"auto": None, "on": True, "off": False}[args.row_invariant]
-    engine = Engine(model, EngineConfig(num_slots=args.max_batch, max_len=args.max_len, row_invariant=row_invariant))
+    engine = Engine(model, EngineConfig(num_slots=args.max_batch, max_len=args.max_len))
     router = LocalRouter(engine, proposer, policy, args.gamma)
     requests = [
         GenerationRequest(

@@ -72,9 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="per-request seed (request i uses seed + i)")
     gen.add_argument("--max-batch", type=int, default=8, help="requests decoded together (KV slots)")
     gen.add_argument("--max-len", type=int, default=1024, help="positions per KV slot")
-    gen.add_argument("--row-invariant", choices=("auto", "on", "off"), default="auto",
-                     help="attend one row at a time so speculative greedy equals plain greedy bit for bit "
-                          "(auto: on for 16-bit dtypes)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
 
     prof = sub.add_parser("profile", help="measure the SPS(B) table of a target model")

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.attention import AttentionPlan, attend
 from services.model_config import ModelConfig
 from services.rope import apply_rotary
 
@@ -25,9 +26,6 @@ class RaggedLayout:
     slots: list[int]  # [R] cache slot of each request
     starts: list[int]  # [R] tokens already cached = position of the request's first new token
     lens: list[int]  # [R] new tokens of each request; N = sum(lens)
-    # Attend one query row at a time over exactly its own prefix, the call plain decoding makes, so a
-    # position's output does not depend on how many rows its request verifies (costs a call per row).
-    row_invariant: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -56,64 +54,72 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.qkv_weight: torch.Tensor | None = None  # [(H + 2 Hkv) Dh, d] when fused (`fuse`)
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """One [q; k; v] weight for the step forward, the three projections' weights becoming views of it, so
+        checkpoint names stay and a later in-place load or optimizer step updates both. Idempotent."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = _fuse_weights([p.weight for p in projs], projs)
+        self.qkv_bias = None if self.q_proj.bias is None else _fuse_biases(projs)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., d] → q [..., H, Dh], k, v [..., Hkv, Dh], before qk-norm and rotary."""
+        lead = x.shape[:-1]
+        if self.qkv_weight is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
+                (self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim), dim=-1)
+        q = q.view(*lead, self.n_heads, self.head_dim)
+        k = k.view(*lead, self.n_kv, self.head_dim)
+        v = v.view(*lead, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
 
     def forward(
         self,
         x: torch.Tensor,  # [N, d]
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [N, 1, Dh]
-        layout: RaggedLayout,
+        plan: AttentionPlan,
         k_cache: torch.Tensor,  # [S, Hkv, L, Dh] this layer's keys, all slots
         v_cache: torch.Tensor,  # [S, Hkv, L, Dh]
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.n_heads, self.head_dim)  # [N, H, Dh]
-        k = self.k_proj(x).view(n, self.n_kv, self.head_dim)  # [N, Hkv, Dh]
-        v = self.v_proj(x).view(n, self.n_kv, self.head_dim)  # [N, Hkv, Dh]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.project(x)  # [N, H, Dh], [N, Hkv, Dh] x2
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = torch.empty_like(q)  # [N, H, Dh]
-        offset = 0
-        for slot, start, length in zip(layout.slots, layout.starts, layout.lens, strict=True):
-            rows = slice(offset, offset + length)
-            end = start + length
-            k_cache[slot, :, start:end] = k[rows].transpose(0, 1)
-            v_cache[slot, :, start:end] = v[rows].transpose(0, 1)
-            if layout.row_invariant:
-                for i in range(offset, offset + length):
-                    pos = start + i - offset + 1
-                    out[i] = _attend(q[i, :, None], k_cache[slot, :, :pos], v_cache[slot, :, :pos])[0]
-            else:
-                out[rows] = _attend(q[rows].transpose(0, 1), k_cache[slot, :, :end], v_cache[slot, :, :end])
-            offset += length
+        out = attend(q, k, v, plan, k_cache, v_cache)  # [N, H, Dh]
         return self.o_proj(out.reshape(n, self.n_heads * self.head_dim))
-
 
     def forward_dense(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Cache-free causal attention over whole sequences, x [B, T, d] (training and feature extraction)."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)  # [B, T, H, Dh]
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)  # [B, T, Hkv, Dh]
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim)  # [B, T, Hkv, Dh]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.project(x)  # [B, T, H, Dh], [B, T, Hkv, Dh] x2
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            is_causal=True, enable_gqa=True)  # [B, H, T, Dh]
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention of q [H, n, Dh] (the last n positions) over k, v [Hkv, T, Dh] → [n, H, Dh]."""
-    n, total = q.shape[1], k.shape[1]
-    if n == 1:
-        # CPU SDPA is ~2x slower in bf16 for one query row than for two; duplicating is bit-identical.
-        qq = torch.cat([q, q], dim=1)[None]
-        o = F.scaled_dot_product_attention(qq, k[None], v[None], enable_gqa=True)[0, :, :1]
-    else:
-        mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)  # [n, T]
-        o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)[0]
-    return o.transpose(0, 1)
+def _fuse_weights(weights: list[torch.Tensor], owners) -> torch.Tensor:
+    fused = torch.cat([w.detach() for w in weights])  # [sum(out), in]
+    offset = 0
+    for owner, w in zip(owners, weights, strict=True):
+        owner.weight = nn.Parameter(fused[offset : offset + w.shape[0]], requires_grad=w.requires_grad)
+        offset += w.shape[0]
+    return fused
+
+
+def _fuse_biases(owners) -> torch.Tensor:
+    fused = torch.cat([o.bias.detach() for o in owners])
+    offset = 0
+    for owner in owners:
+        n = owner.bias.shape[0]
+        owner.bias = nn.Parameter(fused[offset : offset + n], requires_grad=owner.bias.requires_grad)
+        offset += n
+    return fused
 
 
 class MLP(nn.Module):
@@ -123,9 +129,20 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
+        self.gate_up_weight: torch.Tensor | None = None  # [2F, d] when fused: gate rows, then up rows
+        self.gate_up_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """One [gate; up] weight (see `Attention.fuse`)."""
+        projs = (self.gate_proj, self.up_proj)
+        self.gate_up_weight = _fuse_weights([p.weight for p in projs], projs)
+        self.gate_up_bias = None if self.gate_proj.bias is None else _fuse_biases(projs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -136,8 +153,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, layout, k_cache, v_cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, layout, k_cache, v_cache)
+    def forward(self, x, rope, plan: AttentionPlan, k_cache, v_cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, plan, k_cache, v_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_dense(self, x: torch.Tensor, rope) -> torch.Tensor:

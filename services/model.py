@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from services.attention import AttentionPlan
 from services.layers import DecoderLayer, RaggedLayout, RMSNorm
 from services.model_config import ModelConfig
 from services.rope import RotaryTable
@@ -68,15 +69,22 @@ class CausalLM(nn.Module):
     ) -> ForwardOutput:
         x = self.model.embed_tokens(input_ids)  # [N, d]
         rope = self.rotary().gather(positions, x.dtype)
+        plan = AttentionPlan.build(layout.slots, layout.starts, layout.lens, x.device, k_cache.shape[3])
         taps = []
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, layout, k_cache[i], v_cache[i])
+            x = layer(x, rope, plan, k_cache[i], v_cache[i])
             if i in self.tap_layers:
                 taps.append(x)
         h = self.model.norm(x[logit_rows])  # [M, d]
         logits = self.lm_head(h).float()  # [M, V]
         features = torch.cat(taps, dim=-1) if taps else None  # [N, T*d]
         return ForwardOutput(logits=logits, features=features)
+
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up into one GEMM each for serving (names and checkpoints unchanged)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def forward_dense(self, input_ids: torch.Tensor) -> ForwardOutput:
         """Whole sequences without a cache, input_ids [B, T] → logits [B, T, V] (model dtype, or the autocast

@@ -89,14 +89,14 @@ def _bf16_linears_row_invariant() -> bool:
     return all(torch.equal(one, torch.nn.functional.linear(x[:m], w)[0]) for m in (2, 5, 9))
 
 
-def test_row_invariant_mode_makes_bf16_speculation_bit_exact(tiny_model, plain):
+def test_bf16_speculation_is_bit_exact(tiny_model, plain):
     if not _bf16_linears_row_invariant():
         pytest.skip("this CPU's bf16 GEMM gives a row different bits at different row counts")
     model = copy.deepcopy(tiny_model).to(torch.bfloat16)
     reqs = _requests()
-    base = LocalRouter(make_engine(model, row_invariant=True), policy=Policy.NONE).generate(reqs)
+    base = LocalRouter(make_engine(model), policy=Policy.NONE).generate(reqs)
     answers = {r.request_id: r.prompt_ids + r.token_ids for r in base}
-    spec = LocalRouter(make_engine(model, row_invariant=True, num_slots=3, max_batch_tokens=10),
+    spec = LocalRouter(make_engine(model, num_slots=3, max_batch_tokens=10),
                        OracleProposer(answers, VOCAB), Policy.FIXED, 5).generate(reqs)
     assert [r.token_ids for r in spec] == [r.token_ids for r in base]
     assert sum(r.accepted_tokens for r in spec) > 0

@@ -45,17 +45,16 @@ def _prompts() -> list[list[int]]:
 
 
 def _ragged_forwards(model) -> list[tuple]:
-    """Three ragged forwards over one cache: prefill two slots, a mixed step, a row-invariant step."""
+    """Three ragged forwards over one cache: prefill two slots, a mixed step, a verify-like step."""
     cache = KVCache(model.config, 3, 64, torch.float32, torch.device("cpu"))
     g = torch.Generator().manual_seed(5)
     outs = []
-    for slots, starts, lens, row_invariant in (([2, 0], [0, 0], [7, 12], False),
-                                               ([0, 1, 2], [12, 0, 7], [3, 5, 1], False),
-                                               ([2, 0], [8, 15], [2, 4], True)):
+    for slots, starts, lens in (([2, 0], [0, 0], [7, 12]), ([0, 1, 2], [12, 0, 7], [3, 5, 1]),
+                                ([2, 0], [8, 15], [2, 4])):
         n = sum(lens)
         ids = torch.randint(2, 8192, (n,), generator=g)
         positions = torch.cat([torch.arange(s, s + k) for s, k in zip(starts, lens, strict=True)])
-        layout = RaggedLayout(slots, starts, lens, row_invariant)
+        layout = RaggedLayout(slots, starts, lens)
         with torch.inference_mode():
             out = model(ids, positions, layout, cache.k, cache.v, torch.arange(n))
         outs.append((out.logits.numpy().copy(), out.features.numpy().copy()))

@@ -30,10 +30,6 @@ class EngineConfig:
     max_len: int = 1024  # positions per slot: prompt + output + drafts in flight
     max_batch_tokens: int = 256  # prefill token budget of one step (verify items always run)
     max_waiting: int = 256  # admitted requests waiting for a slot; beyond it add_request refuses
-    # Rows attend one at a time, as in plain decoding, so speculative greedy equals plain greedy bit for bit
-    # where the GEMMs are row-invariant (oneDNN bf16). None: on for 16-bit dtypes, off for fp32, whose
-    # small-M GEMMs are not row-invariant anyway and whose greedy output has matched without it.
-    row_invariant: bool | None = None
 
 
 @dataclass(slots=True)
@@ -70,9 +66,9 @@ class Engine:
         cfg = model.config
         max_len = min(self.config.max_len, cfg.max_context)
         self.cache = KVCache(cfg, self.config.num_slots, max_len, model.dtype, model.device)
-        self.row_invariant = self.config.row_invariant
-        if self.row_invariant is None:
-            self.row_invariant = model.dtype != torch.float32
+        fuse = getattr(model, "fuse_projections", None)
+        if fuse is not None:
+            fuse()
         self._running: OrderedDict[str, _Request] = OrderedDict()
         self._waiting: deque[_Request] = deque()
         self.last_batch_tokens = 0  # tokens in the last step's forward (the load board's batch_tokens)
@@ -192,7 +188,7 @@ class Engine:
 
     def _execute(self, items: list[_Item]) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids, positions, logit_rows = [], [], []
-        layout = RaggedLayout(slots=[], starts=[], lens=[], row_invariant=self.row_invariant)
+        layout = RaggedLayout(slots=[], starts=[], lens=[])
         for it in items:
             slot, start = self.cache.append(it.request.request_id, len(it.new_tokens))
             layout.slots.append(slot)

@@ -125,7 +125,6 @@ class _Call:
     slots: list[int]  # [R]
     starts: list[int]  # [R]
     lens: list[int]  # [R]
-    row_invariant: bool
     cache: tuple[int, int]  # (S, max_len)
     drop: tuple[tuple[int, int], ...] = ()  # caches the driver no longer holds: followers free theirs
 
@@ -144,6 +143,9 @@ class TensorParallelDriver:
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
+    def fuse_projections(self) -> None:
+        self.model.fuse_projections()
+
     @property
     def device(self) -> torch.device:
         return self.model.device
@@ -157,7 +159,7 @@ class TensorParallelDriver:
             raise RuntimeError("tensor-parallel driver is closed; its followers have stopped")
         key = (k_cache.shape[1], k_cache.shape[3])  # k_cache [L, S, Hkv_local, max_len, Dh]
         call = _Call(input_ids.tolist(), positions.tolist(), list(layout.slots), list(layout.starts),
-                     list(layout.lens), layout.row_invariant, key, self._track(key, k_cache))
+                     list(layout.lens), key, self._track(key, k_cache))
         _broadcast(call, self.group)
         with torch.inference_mode():
             return self.model(input_ids, positions, layout, k_cache, v_cache, logit_rows)
@@ -188,6 +190,7 @@ def follow(model: CausalLM, group) -> None:
     The caches are zeros of this rank's KV heads, allocated the first time a shape is named (like
     `KVCache`); nothing else touches them, just as the engine touches rank 0's only through forwards."""
     cfg, dev = model.config, model.device
+    model.fuse_projections()  # as the driver's engine does, so every rank runs the same GEMMs
     caches: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     no_rows = torch.empty(0, dtype=torch.long, device=dev)  # [0]: followers want no logits
     with torch.inference_mode():
@@ -199,7 +202,7 @@ def follow(model: CausalLM, group) -> None:
                 caches[call.cache] = (torch.zeros(shape, dtype=model.dtype, device=dev),  # [L, S, Hkv, max_len, Dh]
                                       torch.zeros(shape, dtype=model.dtype, device=dev))
             k, v = caches[call.cache]
-            layout = RaggedLayout(call.slots, call.starts, call.lens, call.row_invariant)
+            layout = RaggedLayout(call.slots, call.starts, call.lens)
             model(torch.tensor(call.ids, dtype=torch.long, device=dev),
                   torch.tensor(call.positions, dtype=torch.long, device=dev), layout, k, v, no_rows)
 
