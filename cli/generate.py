@@ -74,7 +74,7 @@ def run_generate(args: argparse.Namespace) -> int:
         proposer = Drafter(draft_model, calibration)
     elif args.method == "ngram":
         proposer = NgramProposer()
-    engine = Engine(model, EngineConfig(num_slots=args.max_batch, max_len=args.max_len))
+    engine = Engine(model, EngineConfig(num_slots=args.max_batch, max_len=args.max_len, compile=args.compile))
     router = LocalRouter(engine, proposer, policy, args.gamma)
     requests = [
         GenerationRequest(

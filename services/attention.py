@@ -37,7 +37,13 @@ class AttentionPlan:
     gather_rows: torch.Tensor  # [B, Qb] int64, row of N at each block position (padding repeats a row)
     mask: torch.Tensor  # [B, 1, Qb, Lb] bool, True where a block row may attend
     scatter: torch.Tensor  # [N] int64, index into the flattened [B * Qb] block rows of each real row
-    kv_len: int  # Lb
+
+    @property
+    def kv_len(self) -> int:  # Lb (a shape, not a field, so a compiled step sees one tensor size, no int)
+        return self.mask.shape[-1]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.write_slots, self.write_pos, self.block_slots, self.gather_rows, self.mask, self.scatter)
 
     @staticmethod
     def build(slots: list[int], starts: list[int], lens: list[int], device: torch.device,
@@ -70,8 +76,7 @@ class AttentionPlan:
         def t(values: list) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
-        return AttentionPlan(t(write_slots), t(positions), t(block_slots), t(gather), mask[:, None], t(scatter),
-                             kv_len)
+        return AttentionPlan(t(write_slots), t(positions), t(block_slots), t(gather), mask[:, None], t(scatter))
 
 
 def attend(

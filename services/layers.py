@@ -54,8 +54,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.qkv_weight: torch.Tensor | None = None  # [(H + 2 Hkv) Dh, d] when fused (`fuse`)
-        self.qkv_bias: torch.Tensor | None = None
+        # Buffers, not parameters: outside the checkpoint, yet constants a compiled step can pre-pack.
+        self.register_buffer("qkv_weight", None, persistent=False)  # [(H + 2 Hkv) Dh, d] once fused (`fuse`)
+        self.register_buffer("qkv_bias", None, persistent=False)
 
     def fuse(self) -> None:
         """One [q; k; v] weight for the step forward, the three projections' weights becoming views of it, so
@@ -129,8 +130,8 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
-        self.gate_up_weight: torch.Tensor | None = None  # [2F, d] when fused: gate rows, then up rows
-        self.gate_up_bias: torch.Tensor | None = None
+        self.register_buffer("gate_up_weight", None, persistent=False)  # [2F, d] once fused: gate rows, up rows
+        self.register_buffer("gate_up_bias", None, persistent=False)
 
     def fuse(self) -> None:
         """One [gate; up] weight (see `Attention.fuse`)."""

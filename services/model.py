@@ -67,9 +67,16 @@ class CausalLM(nn.Module):
         v_cache: torch.Tensor,  # [num_layers, S, Hkv, L, Dh]
         logit_rows: torch.Tensor,  # [M] int64, rows of N whose next-token logits are wanted
     ) -> ForwardOutput:
+        plan = AttentionPlan.build(layout.slots, layout.starts, layout.lens, input_ids.device, k_cache[0].shape[2])
+        logits, features = self.step(input_ids, positions, *plan.tensors(), k_cache, v_cache, logit_rows)
+        return ForwardOutput(logits=logits, features=features)
+
+    def step(self, input_ids, positions, write_slots, write_pos, block_slots, gather_rows, mask, scatter,
+             k_cache, v_cache, logit_rows) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward on tensors only (an `AttentionPlan`'s, in field order): what `torch.compile` traces."""
+        plan = AttentionPlan(write_slots, write_pos, block_slots, gather_rows, mask, scatter)
         x = self.model.embed_tokens(input_ids)  # [N, d]
         rope = self.rotary().gather(positions, x.dtype)
-        plan = AttentionPlan.build(layout.slots, layout.starts, layout.lens, x.device, k_cache.shape[3])
         taps = []
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, plan, k_cache[i], v_cache[i])
@@ -78,7 +85,7 @@ class CausalLM(nn.Module):
         h = self.model.norm(x[logit_rows])  # [M, d]
         logits = self.lm_head(h).float()  # [M, V]
         features = torch.cat(taps, dim=-1) if taps else None  # [N, T*d]
-        return ForwardOutput(logits=logits, features=features)
+        return logits, features
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up into one GEMM each for serving (names and checkpoints unchanged)."""

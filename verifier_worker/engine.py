@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.compiled_step import CompiledStep
 from services.errors import CapacityError, InvalidRequestError
 from services.layers import RaggedLayout
 from services.model import CausalLM
@@ -30,6 +31,9 @@ class EngineConfig:
     max_len: int = 1024  # positions per slot: prompt + output + drafts in flight
     max_batch_tokens: int = 256  # prefill token budget of one step (verify items always run)
     max_waiting: int = 256  # admitted requests waiting for a slot; beyond it add_request refuses
+    # Run the step forward under torch.compile (services/compiled_step.py): one graph for every step,
+    # compiled and warmed here, before the first request. Off: eager, no start-up cost.
+    compile: bool = False
 
 
 @dataclass(slots=True)
@@ -69,11 +73,21 @@ class Engine:
         fuse = getattr(model, "fuse_projections", None)
         if fuse is not None:
             fuse()
+        self._forward = model  # what a step calls: the model, or its compiled step
+        if self.config.compile:
+            if not isinstance(model, CausalLM):
+                raise ValueError("compile needs a CausalLM (not a tensor-parallel driver)")
+            self._forward = CompiledStep(model, max_len, self.config.num_slots)
         self._running: OrderedDict[str, _Request] = OrderedDict()
         self._waiting: deque[_Request] = deque()
         self.last_batch_tokens = 0  # tokens in the last step's forward (the load board's batch_tokens)
 
     # ---- requests -----------------------------------------------------------------------------
+    @property
+    def forward(self):
+        """What a step calls with (ids, positions, layout, k, v, logit_rows): the model or its compiled step."""
+        return self._forward
+
     @property
     def max_len(self) -> int:
         return self.cache.max_len
@@ -202,7 +216,7 @@ class Engine:
                 it.logit_offset = len(logit_rows)
                 logit_rows.extend(row0 + k for k in wanted)
         dev = self.model.device
-        out = self.model(
+        out = self._forward(
             torch.tensor(ids, device=dev),
             torch.tensor(positions, device=dev),
             layout,

@@ -36,7 +36,7 @@ def verifier_service(s: VerifierSettings, model=None) -> VerifierService:
     model_dir = resolve_model(s.model)
     model = model if model is not None else load_target(s)
     engine = Engine(model, EngineConfig(num_slots=s.num_slots, max_len=s.max_len, max_batch_tokens=s.max_batch_tokens,
-                                        max_waiting=s.max_waiting))
+                                        max_waiting=s.max_waiting, compile=s.compile))
     return VerifierService(engine, model_dir.name, s.lease_s, s.batch_window_ms / 1000)
 
 
@@ -46,7 +46,7 @@ async def start_verifier(s: VerifierSettings, model=None) -> RunningTier:
     tls, board = read_tls(s.tls), open_board(s.redis_url)  # before the model loads: bad certificates or credentials
     tracer = role_tracer("dspark-verifier", s)
     service = await asyncio.to_thread(verifier_service, s, model)
-    sps = await asyncio.to_thread(profile_sps, service.engine.model, context=256, repeats=5) if s.profile else []
+    sps = await asyncio.to_thread(profile_sps, service.engine.forward, context=256, repeats=5) if s.profile else []
     server = GrpcServer(s.host, s.port, ["dspark.v1.Verifier"], tls)
     rpc.add_VerifierServicer_to_server(VerifierServicer(service, tracer, sps, server.address), server.server)
     await service.start()

@@ -18,6 +18,7 @@ class VerifierSettings(GrpcServerSettings):
     max_len: int = Field(1024, ge=8, description="positions per KV slot")
     max_batch_tokens: int = Field(256, ge=1, description="prefill token budget per engine step")
     max_waiting: int = Field(256, ge=0, description="requests queued for a slot before RESOURCE_EXHAUSTED")
+    compile: bool = Field(False, description="torch.compile the step forward (one graph, compiled at start-up)")
     tap_layers: list[int] | None = Field(None, description="feature taps; default: the drafters' (1, n/2, n−2)")
     lease_s: float = Field(60.0, gt=0, description="free requests prefilled but never attached to a stream")
     batch_window_ms: float = Field(5.0, ge=0, description="how long a step waits for the rest of its sessions")

@@ -1,0 +1,82 @@
+"""The step forward under `torch.compile`: one graph with dynamic sizes, warmed before the first request.
+
+Eager, a forward of the shipped target issues a few hundred small operations, each paying framework
+dispatch; compiled, the norms, rotary, residuals and activations fuse into a few C++ kernels per layer and,
+with `freezing`, the linears run oneDNN on pre-packed weights. The sizes of a step (rows N, query blocks B,
+keys Lb, logit rows M) are symbolic, so one graph serves every step, prefill chunks and verify items alike:
+
+- no size may be 1, or dynamo specialises it into a second graph (a second compile, and a second set of
+  kernels that may round differently): N, B and M are padded to at least 2 by repeating their last entry
+  (a repeated row writes the same key to the same place; a repeated block or logit row is dropped again);
+- duck sizing is off, so two sizes that happen to be equal while tracing are not assumed equal forever.
+
+Because every step runs the same kernels and each of them treats a row on its own, a position's logits do
+not depend on what else shares the step (checked in tests/test_compiled_step.py, as for eager).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch._inductor.config as inductor_config
+import torch.fx.experimental._config as fx_config
+
+from services.attention import AttentionPlan
+from services.layers import RaggedLayout
+from services.model import CausalLM, ForwardOutput
+
+
+class CompiledStep:
+    """Callable like `CausalLM` (the `Engine`'s model call); compiles at construction (`warm_s` says how long)."""
+
+    def __init__(self, model: CausalLM, max_len: int, num_slots: int):
+        self.model = model
+        self.config, self.tap_layers = model.config, model.tap_layers
+        fx_config.use_duck_shape = False
+        # Process-wide and read when a graph is compiled (a `torch.compile(options=...)` entry is not honoured
+        # for freezing): weights become constants and the linears oneDNN calls on pre-packed weights.
+        inductor_config.freezing = True
+        model.rotary()  # built now, so the graph reads the table as a constant instead of rebuilding it
+        self._fn = torch.compile(model.step, dynamic=True, fullgraph=True)
+        self.warm_s = self._warm(max_len, num_slots)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def _warm(self, max_len: int, num_slots: int) -> float:
+        """One forward on a scratch cache, shaped like a mixed step, so the graph exists before any request."""
+        cfg, dev = self.config, self.device
+        shape = (cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        k = torch.zeros(shape, dtype=self.dtype, device=dev)  # [L, S, Hkv, max_len, Dh]
+        v = torch.zeros_like(k)
+        lens = [3, 5][: max(1, min(2, num_slots))]
+        layout = RaggedLayout(slots=list(range(len(lens))), starts=[0] * len(lens), lens=lens)
+        n = sum(lens)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            self(torch.zeros(n, dtype=torch.long, device=dev), torch.cat([torch.arange(m) for m in lens]).to(dev),
+                 layout, k, v, torch.arange(3, device=dev))
+        return time.perf_counter() - started
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: RaggedLayout,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, logit_rows: torch.Tensor) -> ForwardOutput:
+        n, m = input_ids.shape[0], logit_rows.shape[0]
+        plan = AttentionPlan.build(layout.slots, layout.starts, layout.lens, input_ids.device, k_cache.shape[3])
+        ws, wp, bs, gather, mask, scatter = plan.tensors()
+        ids, pos, ws, wp, scatter = (_at_least_two(t) for t in (input_ids, positions, ws, wp, scatter))
+        bs, gather, mask = (_at_least_two(t) for t in (bs, gather, mask))
+        rows = _at_least_two(logit_rows) if m else logit_rows.new_zeros(2)
+        logits, features = self._fn(ids, pos, ws, wp, bs, gather, mask, scatter, k_cache.unbind(0),
+                                    v_cache.unbind(0), rows)
+        return ForwardOutput(logits=logits[:m], features=None if features is None else features[:n])
+
+
+def _at_least_two(t: torch.Tensor) -> torch.Tensor:
+    """t with its last entry (along dim 0) repeated once when it has a single one."""
+    return torch.cat([t, t[-1:]]) if t.shape[0] == 1 else t
