@@ -1,0 +1,137 @@
+"""The engine at the machine's limit: eager against compiled steps, plain and speculative, in one run.
+
+For the shipped target (or any model directory), in the default dtype of this machine, batch 1 and 8,
+greedy, on the eval prompts of benchmarks/datasets:
+
+- plain decoding tokens/s per mode (eager, compiled), rounds alternating between the modes;
+- forward(n) / forward(1) for n = 1..64 new tokens after 256 cached, per mode;
+- each shipped drafter at fixed γ, tokens/s against plain decoding of the same mode, batch 1.
+
+Every figure is a ratio against a baseline measured in this run; the JSON also carries the CPU model and
+whether bf16 is native. `python benchmarks/engine_speed.py [--model dspark-target] [--json out.json]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from drafter_worker.checkpoint import drafter_config, load_drafter
+from drafter_worker.drafter import Drafter
+from router.offline import GenerationRequest, LocalRouter
+from router.scheduling.policy import Policy
+from services.loader import load_model, native_bf16
+from services.registry import resolve_model
+from services.tokenizer import TextTokenizer
+from services.types import SamplingParams
+from verifier_worker.engine import Engine, EngineConfig
+from verifier_worker.kv_cache import KVCache
+from verifier_worker.profile import time_forward
+
+DATASETS = Path(__file__).parent / "datasets"
+DRAFTERS = {"mtp1": "dspark-target-mtp", "eagle3": "dspark-target-eagle3", "dflash": "dspark-target-dflash",
+            "dspark": "dspark-target-dspark"}
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def prompts(tokenizer: TextTokenizer, n: int) -> list[list[int]]:
+    texts = []
+    for name in ("chat", "code", "math"):
+        lines = (DATASETS / f"{name}.jsonl").read_text().splitlines()
+        texts += [json.loads(line)["prompt"] for line in lines[: max(1, n // 3)]]
+    return [tokenizer.encode(t)[-200:] for t in texts[:n]]
+
+
+def generate_tps(engine: Engine, proposer, policy: Policy, gamma: int, ids: list[list[int]], tokens: int,
+                 batch: int) -> float:
+    router = LocalRouter(engine, proposer, policy, gamma)
+    reqs = [GenerationRequest(f"p{i}", p, SamplingParams(max_tokens=tokens)) for i, p in enumerate(ids)]
+    started, total = time.perf_counter(), 0
+    for first in range(0, len(reqs), batch):
+        total += sum(len(r.token_ids) for r in router.generate(reqs[first : first + batch]))
+    return total / (time.perf_counter() - started)
+
+
+def forward_curve(engine: Engine, sizes: list[int], rounds: int) -> dict[int, float]:
+    model = engine.forward
+    cache = KVCache(model.config, 2, 256 + max(sizes), model.dtype, model.device)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for n in sizes:
+        time_forward(model, cache, [n], 256, 2)
+    for _ in range(rounds):
+        for n in sizes:
+            times[n] += time_forward(model, cache, [n], 256, 1)
+    return {n: 1000 * statistics.median(t) for n, t in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="dspark-target")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--prompts", type=int, default=6)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--gamma", type=int, default=7)
+    p.add_argument("--modes", default="eager,compiled")
+    p.add_argument("--drafters", default=",".join(DRAFTERS), help="comma list of shipped drafters ('' for none)")
+    p.add_argument("--json")
+    args = p.parse_args()
+    modes = args.modes.split(",")
+    model_dir = resolve_model(args.model)
+    tok = TextTokenizer.from_dir(model_dir)
+    ids = prompts(tok, args.prompts)
+    taps = {m: drafter_config(resolve_model(DRAFTERS[m])).tap_layers for m in filter(None, args.drafters.split(","))}
+    all_taps = tuple(sorted({t for ts in taps.values() for t in ts}))
+    model = load_model(model_dir, args.dtype, tap_layers=all_taps)
+    meta = {"cpu": cpu_model(), "native_bf16": native_bf16(torch.device("cpu")), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "dtype": str(model.dtype).removeprefix("torch."), **vars(args)}
+    print(json.dumps(meta))
+    engines = {}
+    for mode in modes:
+        started = time.perf_counter()
+        engines[mode] = Engine(model, EngineConfig(num_slots=8, max_len=1024, compile=mode == "compiled"))
+        print(f"{mode}: engine ready in {time.perf_counter() - started:.1f} s", flush=True)
+    plain: dict[str, dict[int, list[float]]] = {m: {1: [], 8: []} for m in modes}
+    for _ in range(args.rounds):
+        for mode in modes:
+            for batch in (1, 8):
+                ids_b = ids if batch == 1 else (ids * 8)[:8]
+                plain[mode][batch].append(generate_tps(engines[mode], None, Policy.NONE, 0, ids_b, args.tokens, batch))
+    results = {"meta": meta, "plain": {}, "forward_ms": {}, "speculative": {}}
+    for mode in modes:
+        results["plain"][mode] = {b: round(statistics.median(v), 1) for b, v in plain[mode].items()}
+        curve = forward_curve(engines[mode], [1, 2, 4, 8, 16, 32, 64], 10)
+        results["forward_ms"][mode] = {n: round(ms, 3) for n, ms in curve.items()}
+        print(f"{mode}: plain b1 {results['plain'][mode][1]} tok/s, b8 {results['plain'][mode][8]} tok/s; "
+              f"forward(8)/forward(1) {curve[8] / curve[1]:.2f}; forward(n) ms {results['forward_ms'][mode]}", flush=True)
+    for name in taps:
+        draft_model, calibration = load_drafter(DRAFTERS[name], model, args.dtype)
+        for mode in modes:
+            base = results["plain"][mode][1]
+            tps = generate_tps(engines[mode], Drafter(draft_model, calibration), Policy.FIXED,
+                               1 if name == "mtp1" else args.gamma, ids, args.tokens, 1)
+            results["speculative"].setdefault(name, {})[mode] = {"tokens_per_s": round(tps, 1),
+                                                                 "x_plain": round(tps / base, 2)}
+            print(f"{name} {mode}: {tps:.1f} tok/s = {tps / base:.2f} x plain", flush=True)
+    if len(modes) > 1:
+        results["compiled_x_eager"] = {b: round(results["plain"]["compiled"][b] / results["plain"]["eager"][b], 2)
+                                       for b in (1, 8)}
+        print("compiled / eager plain decoding:", results["compiled_x_eager"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
