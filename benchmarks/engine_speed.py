@@ -5,7 +5,8 @@ greedy, on the eval prompts of benchmarks/datasets:
 
 - plain decoding tokens/s per mode (eager, compiled), rounds alternating between the modes;
 - forward(n) / forward(1) for n = 1..64 new tokens after 256 cached, per mode;
-- each shipped drafter at fixed γ, tokens/s against plain decoding of the same mode, batch 1.
+- each shipped drafter at fixed γ, tokens/s against plain decoding of the same mode, batch 1 (compiled mode
+  also compiles a block drafter's greedy blocks; one warm-up request pays that compile before timing).
 
 Every figure is a ratio against a baseline measured in this run; the JSON also carries the CPU model and
 whether bf16 is native. `python benchmarks/engine_speed.py [--model dspark-target] [--json out.json]`
@@ -120,8 +121,10 @@ def main() -> None:
         draft_model, calibration = load_drafter(DRAFTERS[name], model, args.dtype)
         for mode in modes:
             base = results["plain"][mode][1]
-            tps = generate_tps(engines[mode], Drafter(draft_model, calibration), Policy.FIXED,
-                               1 if name == "mtp1" else args.gamma, ids, args.tokens, 1)
+            drafter = Drafter(draft_model, calibration, compile=mode == "compiled")
+            gamma = 1 if name == "mtp1" else args.gamma
+            generate_tps(engines[mode], drafter, Policy.FIXED, gamma, ids[:1], 16, 1)  # warm-up (and compile)
+            tps = generate_tps(engines[mode], drafter, Policy.FIXED, gamma, ids, args.tokens, 1)
             results["speculative"].setdefault(name, {})[mode] = {"tokens_per_s": round(tps, 1),
                                                                  "x_plain": round(tps / base, 2)}
             print(f"{name} {mode}: {tps:.1f} tok/s = {tps / base:.2f} x plain", flush=True)

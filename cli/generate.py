@@ -71,7 +71,7 @@ def run_generate(args: argparse.Namespace) -> int:
     model = load_model(model_dir, args.dtype, args.device, tap_layers=taps)
     if taps:
         draft_model, calibration = load_drafter(args.drafter, model, args.dtype, args.device)
-        proposer = Drafter(draft_model, calibration)
+        proposer = Drafter(draft_model, calibration, compile=args.compile)
     elif args.method == "ngram":
         proposer = NgramProposer()
     engine = Engine(model, EngineConfig(num_slots=args.max_batch, max_len=args.max_len, compile=args.compile))

@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-batch", type=int, default=8, help="requests decoded together (KV slots)")
     gen.add_argument("--max-len", type=int, default=1024, help="positions per KV slot")
     gen.add_argument("--compile", action="store_true",
-                     help="torch.compile the step forward (one graph, compiled before the first prompt)")
+                     help="torch.compile the step forward (one graph, compiled before the first prompt) and a block "
+                          "drafter's greedy blocks")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
 
     prof = sub.add_parser("profile", help="measure the SPS(B) table of a target model")

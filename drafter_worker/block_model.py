@@ -56,6 +56,29 @@ class BlockDraftModel(DraftModelBase):
             x = layer(x, rope, k, v, ctx_mask)
         return self.norm(x)
 
+    def draft_greedy(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv: ContextKV, ctx_mask: torch.Tensor,
+                     gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A whole greedy block on tensors only (what a compiled drafter traces): backbone, U, then the
+        sequential head's γ steps, each taking the argmax of U_k + B_k → tokens [A, γ], peaks max_v q [A, γ]
+        and confidence logits [A, γ] (None without the head)."""
+        h = self.backbone(anchors, anchor_pos, ctx_kv, ctx_mask, gamma)  # [A, γ, d]
+        base = self.lm_head(h).float()  # U [A, γ, V]
+        prev, state = anchors, None
+        if self.seq_head is not None:
+            state = self.seq_head.init_state(anchors.shape[0], h[:, 0])
+        tokens, peaks, conf = [], [], []
+        for k in range(gamma):
+            logits = base[:, k]  # [A, V]
+            if self.seq_head is not None:
+                bias, prev_embed, state = self.seq_head.step(prev, h[:, k], state)
+                logits = logits + bias.float()
+                if self.confidence is not None:
+                    conf.append(self.confidence(h[:, k], prev_embed).float())  # [A]
+            peak, prev = logits.softmax(-1).max(-1)  # [A], [A]
+            tokens.append(prev)
+            peaks.append(peak)
+        return torch.stack(tokens, 1), torch.stack(peaks, 1), torch.stack(conf, 1) if conf else None
+
     def teacher_forced(self, h: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Training: h [A, γ, d], ground-truth previous tokens prev [A, γ] (anchor first) →
         draft logits U + B [A, γ, V] and confidence logits [A, γ] (None without the head)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch._inductor.config as inductor_config
 
 from drafter_worker.block_model import BlockDraftModel
 from drafter_worker.calibration import Calibration
@@ -40,9 +41,17 @@ class _Context:
 
 class Drafter(StatelessProposer):
     def __init__(self, model: BlockDraftModel | ChainDraftModel, calibration: Calibration | None = None,
-                 max_q: int = 64, seed: int = 0):
+                 max_q: int = 64, seed: int = 0, compile: bool = False):
         self.model, self.calibration, self.max_q = model, calibration, max_q
         self.block = isinstance(model, BlockDraftModel)
+        # Greedy blocks of block models in one call: eager, or one torch.compile graph (dynamic sizes, frozen
+        # weights) for the backbone, U and the head's γ sequential steps, compiled at its first block.
+        self._greedy_block = None
+        if self.block:
+            self._greedy_block = model.draft_greedy
+            if compile:
+                inductor_config.freezing = True
+                self._greedy_block = torch.compile(model.draft_greedy, dynamic=True, fullgraph=True)
         self.generator = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
         self._contexts: dict[str, _Context] = {}
 
@@ -134,6 +143,12 @@ class Drafter(StatelessProposer):
 
     def _draft_block(self, anchors, anchor_pos, kv, mask, sampling, gamma):
         model = self.model
+        if all(p.greedy for p in sampling):
+            tokens, peaks, z = self._greedy_block(anchors, anchor_pos, kv, mask, gamma)  # [R, γ] each
+            conf = None
+            if z is not None:
+                conf = self.calibration.apply(z) if self.calibration is not None else torch.sigmoid(z)
+            return tokens.tolist(), [None] * len(anchors), conf, peaks
         h = model.backbone(anchors, anchor_pos, kv, mask, gamma)  # [R, γ, d]
         base = model.lm_head(h).float()  # U [R, γ, V]
         prev, state = anchors, None

@@ -38,7 +38,7 @@ def drafter_service(s: DrafterSettings) -> DrafterService:
         if method in proposers:
             raise InvalidRequestError(f"two {method} drafters given; a replica hosts one per method")
         model, calibration = load_drafter(name, target, s.dtype, device)
-        proposers[method], block_sizes[method] = Drafter(model, calibration, s.max_q, s.seed), cfg.block_size
+        proposers[method], block_sizes[method] = Drafter(model, calibration, s.max_q, s.seed, s.compile), cfg.block_size
     order = sorted(proposers, key=lambda m: m != "dspark")  # dspark first: the default method
     return DrafterService({m: proposers[m] for m in order}, block_sizes, s.batch_window_ms / 1000, lease_s=s.lease_s)
 

@@ -16,6 +16,7 @@ class DrafterSettings(GrpcServerSettings):
     device: str = "auto"
     threads: int = Field(0, ge=0)
     max_q: int = Field(64, ge=1, description="support size K of the sparse draft distribution q'")
+    compile: bool = Field(False, description="torch.compile the greedy blocks of block drafters")
     lease_s: float = Field(60.0, gt=0, description="free a draft context no stream has carried for this long")
     batch_window_ms: float = Field(5.0, ge=0, description="how long a propose waits for the rest of its sessions")
     redis_url: str | None = Field(None, description="publish load to this Redis")

@@ -177,3 +177,16 @@ def test_config_rejects_inconsistent_settings():
         DrafterConfig.from_dict({"method": "dflash", "target": "t", "tap_layers": [1], "typo": 1})
     cfg = DrafterConfig(Method.DSPARK, "t", (1,), mask_token_id=3, head="rnn", markov_rank=4)
     assert cfg.head is HeadType.RNN
+
+
+def test_compiled_greedy_blocks_draft_what_eager_drafts(target, plain):
+    """`Drafter(compile=True)`: the greedy block in one compiled graph proposes the eager drafter's tokens
+    (fp32, the same cycles and acceptances) and the output is still plain greedy."""
+    runs = []
+    for compile_ in (False, True):
+        model = draft_model(target, "dspark", "rnn")
+        engine = make_engine(target, num_slots=3, max_batch_tokens=10)
+        runs.append(LocalRouter(engine, Drafter(model, compile=compile_), Policy.FIXED, 4).generate(requests()[:3]))
+    eager, compiled = runs
+    assert [r.token_ids for r in compiled] == [r.token_ids for r in plain[:3]]
+    assert [(r.cycles, r.accepted_tokens) for r in compiled] == [(r.cycles, r.accepted_tokens) for r in eager]
