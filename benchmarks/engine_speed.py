@@ -5,8 +5,9 @@ greedy, on the eval prompts of benchmarks/datasets:
 
 - plain decoding tokens/s per mode (eager, compiled), rounds alternating between the modes;
 - forward(n) / forward(1) for n = 1..64 new tokens after 256 cached, per mode;
-- each shipped drafter at fixed γ, tokens/s against plain decoding of the same mode in alternating rounds, batch 1 (compiled mode
-  also compiles a block drafter's greedy blocks; one warm-up request pays that compile before timing).
+- each shipped drafter at fixed γ, tokens/s against plain decoding of the same mode in alternating rounds,
+  batch 1 (compiled mode also compiles a block drafter's greedy blocks; one warm-up request pays that
+  compile before timing).
 
 Every figure is a ratio against a baseline measured in this run; the JSON also carries the CPU model and
 whether bf16 is native. `python benchmarks/engine_speed.py [--model dspark-target] [--json out.json]`
@@ -116,7 +117,8 @@ def main() -> None:
         curve = forward_curve(engines[mode], [1, 2, 4, 8, 16, 32, 64], 10)
         results["forward_ms"][mode] = {n: round(ms, 3) for n, ms in curve.items()}
         print(f"{mode}: plain b1 {results['plain'][mode][1]} tok/s, b8 {results['plain'][mode][8]} tok/s; "
-              f"forward(8)/forward(1) {curve[8] / curve[1]:.2f}; forward(n) ms {results['forward_ms'][mode]}", flush=True)
+              f"forward(8)/forward(1) {curve[8] / curve[1]:.2f}; forward(n) ms {results['forward_ms'][mode]}",
+              flush=True)
     for name in taps:
         draft_model, calibration = load_drafter(DRAFTERS[name], model, args.dtype)
         for mode in modes:

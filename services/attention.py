@@ -88,7 +88,7 @@ def attend(
     v_cache: torch.Tensor,  # [S, Hkv, L, Dh]
 ) -> torch.Tensor:
     """Write the new keys/values into their slots, then attend every row causally over its slot → [N, H, Dh]."""
-    n, heads, dh = q.shape
+    heads, dh = q.shape[1:]
     k_cache[plan.write_slots, :, plan.write_pos] = k
     v_cache[plan.write_slots, :, plan.write_pos] = v
     keys = k_cache[plan.block_slots, :, : plan.kv_len]  # [B, Hkv, Lb, Dh]

@@ -19,7 +19,8 @@ from tests.test_speculative_greedy import _bf16_linears_row_invariant
 
 
 def _requests() -> list[GenerationRequest]:
-    return [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=30 - 3 * i)) for i, p in enumerate(random_prompts(4))]
+    return [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=30 - 3 * i))
+            for i, p in enumerate(random_prompts(4))]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,173 @@
+"""Peers side by side: plain greedy decoding tokens/s of dspark, Hugging Face transformers and llama.cpp on the
+same model, machine and dtype, in one run, rounds alternating between the programs.
+
+- dspark: the engine, eager and compiled (`EngineConfig.compile`), batch 1 and 8;
+- transformers: `generate` with a static cache and the forward under `torch.compile`, as its docs advise
+  for speed, on the checkpoint directory as it is (our safetensors are HF Llama), batch 1 and 8;
+- llama.cpp: built from the tree vendored in the llama-cpp-python sdist into a cache directory (native
+  builds run only on the CPU type they were built on, so never in git), the model converted with the
+  tree's `convert_hf_to_gguf.py` (its pre-tokenizer table does not know our tokenizer's hash: the GPT-2
+  one is what it is, so the check is mapped to "gpt-2"), then `llama-bench -p 0 -n <tokens>` at batch 1.
+  Skipped with the reason when it cannot be built (no cmake, no compiler, no registry).
+
+    pip install -e '.[dev,peers]'; python benchmarks/peers.py [--tokens 64] [--rounds 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.engine_speed import cpu_model
+from router.offline import GenerationRequest, LocalRouter
+from services.loader import load_model, native_bf16
+from services.registry import resolve_model
+from services.types import SamplingParams
+from verifier_worker.engine import Engine, EngineConfig
+
+CACHE = Path(os.environ.get("DSPARK_PEERS_CACHE", Path.home() / ".cache" / "dspark" / "peers"))
+LLAMA_CPP_PYTHON = "0.3.36"
+GGUF_TYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def llama_tree() -> Path:
+    return CACHE / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+
+
+def build_llama_cpp() -> Path:
+    """→ the llama-bench binary, building it on first use (about 4 minutes on 2 cores)."""
+    tree = llama_tree()
+    bench = tree / "build" / "bin" / "llama-bench"
+    if bench.is_file():
+        return bench
+    CACHE.mkdir(parents=True, exist_ok=True)
+    sdist = CACHE / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    if not sdist.is_file():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(CACHE)], check=True, capture_output=True)
+    if not tree.is_dir():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(CACHE, filter="data")
+    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+             "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    subprocess.run(["cmake", "-S", str(tree), "-B", str(tree / "build"), *generator, *flags], check=True,
+                   capture_output=True)
+    subprocess.run(["cmake", "--build", str(tree / "build"), "--target", "llama-bench", "-j", str(os.cpu_count())],
+                   check=True, capture_output=True)
+    return bench
+
+
+def convert(model_dir: Path, dtype: torch.dtype) -> Path:
+    """The checkpoint as GGUF in `dtype`, converted once per model and dtype."""
+    out = CACHE / f"{model_dir.name}-{GGUF_TYPES[dtype]}.gguf"
+    if out.is_file():
+        return out
+    tree = llama_tree()
+    # Run the converter with its pre-tokenizer check answering "gpt-2" (our tokenizer is GPT-2's byte-level BPE).
+    shim = ("import runpy, sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/gguf-py']; "
+            "import conversion.base as b; b.TextModel.get_vocab_base_pre = lambda self, tok: 'gpt-2'; "
+            "sys.argv = [sys.argv[1] + '/convert_hf_to_gguf.py'] + sys.argv[2:]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    subprocess.run([sys.executable, "-c", shim, str(tree), str(model_dir), "--outfile", str(out), "--outtype",
+                    GGUF_TYPES[dtype]], check=True, capture_output=True)
+    return out
+
+
+def llama_bench(bench: Path, gguf: Path, tokens: int, threads: int) -> float:
+    proc = subprocess.run([str(bench), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads),
+                           "-r", "3", "-o", "json"], check=True, capture_output=True, text=True)
+    return float(json.loads(proc.stdout)[0]["avg_ts"])
+
+
+def dspark_tps(engine: Engine, batch: int, tokens: int, vocab: int) -> float:
+    g = torch.Generator().manual_seed(batch)
+    reqs = [GenerationRequest(f"r{i}", torch.randint(3, vocab, (32,), generator=g).tolist(),
+                              SamplingParams(max_tokens=tokens)) for i in range(batch)]
+    started = time.perf_counter()
+    results = LocalRouter(engine).generate(reqs)
+    return sum(len(r.token_ids) for r in results) / (time.perf_counter() - started)
+
+
+class HfPeer:
+    """transformers' generate, static cache, compiled forward (its documented recipe for speed)."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype):
+        from transformers import AutoModelForCausalLM
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.model.generation_config.cache_implementation = "static"
+        self.model.forward = torch.compile(self.model.forward, mode="reduce-overhead", fullgraph=True)
+
+    def tps(self, batch: int, tokens: int) -> float:
+        g = torch.Generator().manual_seed(batch)
+        ids = torch.randint(3, self.model.config.vocab_size, (batch, 32), generator=g)
+        started = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                                  min_new_tokens=tokens, do_sample=False)
+        return batch * (out.shape[1] - 32) / (time.perf_counter() - started)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="dspark-target")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--peers", default="dspark,dspark-compiled,transformers,llama.cpp")
+    p.add_argument("--json")
+    args = p.parse_args()
+    model_dir = resolve_model(args.model)
+    model = load_model(model_dir, args.dtype)
+    dtype, threads, vocab = model.dtype, torch.get_num_threads(), model.config.vocab_size
+    meta = {"cpu": cpu_model(), "native_bf16": native_bf16(torch.device("cpu")), "threads": threads,
+            "dtype": str(dtype).removeprefix("torch."), "tokens": args.tokens, "torch": torch.__version__}
+    print(json.dumps(meta), flush=True)
+    arms, skipped = {}, {}
+    wanted = args.peers.split(",")
+    if "dspark" in wanted:
+        engine = Engine(model, EngineConfig(num_slots=8, max_len=1024))
+        arms["dspark"] = {b: (lambda b=b, e=engine: dspark_tps(e, b, args.tokens, vocab)) for b in (1, 8)}
+    if "dspark-compiled" in wanted:
+        engine_c = Engine(model, EngineConfig(num_slots=8, max_len=1024, compile=True))
+        arms["dspark-compiled"] = {b: (lambda b=b, e=engine_c: dspark_tps(e, b, args.tokens, vocab)) for b in (1, 8)}
+    if "transformers" in wanted:
+        hf = HfPeer(model_dir, dtype)
+        arms["transformers"] = {b: (lambda b=b: hf.tps(b, args.tokens)) for b in (1, 8)}
+    if "llama.cpp" in wanted:
+        try:
+            bench, gguf = build_llama_cpp(), convert(model_dir, dtype)
+            arms["llama.cpp"] = {1: lambda: llama_bench(bench, gguf, args.tokens, threads)}
+        except (OSError, subprocess.CalledProcessError) as error:
+            skipped["llama.cpp"] = f"could not build or convert: {error}"
+            print(f"llama.cpp skipped: {error}", flush=True)
+    for arm in arms.values():  # warm-up (compiles)
+        for fn in arm.values():
+            fn()
+    samples = {name: {b: [] for b in arm} for name, arm in arms.items()}
+    for _ in range(args.rounds):
+        for name, arm in arms.items():
+            for b, fn in arm.items():
+                samples[name][b].append(fn())
+    table = {name: {b: round(statistics.median(v), 1) for b, v in per.items()} for name, per in samples.items()}
+    base = table.get("dspark-compiled", table.get("dspark", {}))
+    for name, per in table.items():
+        ratios = ", ".join(f"b{b} {tps:.1f} tok/s ({tps / base[b]:.2f} x dspark)"
+                           for b, tps in per.items() if b in base)
+        print(f"{name:>16}: {ratios}", flush=True)
+    if args.json:
+        record = {"meta": meta, "tokens_per_s": table, "skipped": skipped}
+        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
