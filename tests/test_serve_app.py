@@ -28,6 +28,20 @@ pools:
 """
 
 
+def _start_ray() -> None:
+    """`ray.init`, once more if the local node misses Ray's fixed 30 s start-up window: seen once in a full
+    fresh-machine run right after tests/test_ray_pools.py's cluster shut down ("The current node timed out during
+    startup"), while the test alone and after the compile tests passed. A second failure fails the test."""
+    for attempt in (1, 2):
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, namespace="dspark-serve-app", log_to_driver=False)
+            return
+        except Exception as error:  # ray raises a bare Exception for this
+            if attempt == 2 or "timed out during startup" not in str(error):
+                raise
+            ray.shutdown()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -41,7 +55,7 @@ def test_the_serve_app_runs_dspark_inside_ray_serve(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_SERVE_CONFIG", str(config))
     from cluster.serve_app import DsparkDeployment
 
-    ray.init(num_cpus=2, include_dashboard=False, namespace="dspark-serve-app", log_to_driver=False)
+    _start_ray()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 0})
         serve.run(DsparkDeployment.bind(str(config)), blocking=False)
