@@ -56,24 +56,33 @@ class BlockDraftModel(DraftModelBase):
             x = layer(x, rope, k, v, ctx_mask)
         return self.norm(x)
 
+    def block_start(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv: ContextKV, ctx_mask: torch.Tensor,
+                    gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The parallel part of drafting a block → h [A, γ, d], U [A, γ, V] fp32, the head's first state."""
+        h = self.backbone(anchors, anchor_pos, ctx_kv, ctx_mask, gamma)  # [A, γ, d]
+        state = None if self.seq_head is None else self.seq_head.init_state(anchors.shape[0], h[:, 0])
+        return h, self.lm_head(h).float(), state
+
+    def head_step(self, base_k: torch.Tensor, h_k: torch.Tensor, prev: torch.Tensor, state: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Sequential step k: U_k [A, V], h_k [A, d], x_{k−1} [A] → logits U_k + B_k [A, V] fp32, confidence
+        logit [A] (None without the head), next state."""
+        if self.seq_head is None:
+            return base_k, None, state
+        bias, prev_embed, state = self.seq_head.step(prev, h_k, state)
+        conf = None if self.confidence is None else self.confidence(h_k, prev_embed).float()
+        return base_k + bias.float(), conf, state
+
     def draft_greedy(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv: ContextKV, ctx_mask: torch.Tensor,
                      gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A whole greedy block on tensors only (what a compiled drafter traces): backbone, U, then the
-        sequential head's γ steps, each taking the argmax of U_k + B_k → tokens [A, γ], peaks max_v q [A, γ]
-        and confidence logits [A, γ] (None without the head)."""
-        h = self.backbone(anchors, anchor_pos, ctx_kv, ctx_mask, gamma)  # [A, γ, d]
-        base = self.lm_head(h).float()  # U [A, γ, V]
-        prev, state = anchors, None
-        if self.seq_head is not None:
-            state = self.seq_head.init_state(anchors.shape[0], h[:, 0])
-        tokens, peaks, conf = [], [], []
+        """A whole greedy block on tensors only (what a compiled drafter traces), each step taking the argmax
+        of U_k + B_k → tokens [A, γ], peaks max_v q [A, γ], confidence logits [A, γ] (None without the head)."""
+        h, base, state = self.block_start(anchors, anchor_pos, ctx_kv, ctx_mask, gamma)
+        prev, tokens, peaks, conf = anchors, [], [], []
         for k in range(gamma):
-            logits = base[:, k]  # [A, V]
-            if self.seq_head is not None:
-                bias, prev_embed, state = self.seq_head.step(prev, h[:, k], state)
-                logits = logits + bias.float()
-                if self.confidence is not None:
-                    conf.append(self.confidence(h[:, k], prev_embed).float())  # [A]
+            logits, z, state = self.head_step(base[:, k], h[:, k], prev, state)
+            if z is not None:
+                conf.append(z)
             peak, prev = logits.softmax(-1).max(-1)  # [A], [A]
             tokens.append(prev)
             peaks.append(peak)

@@ -145,23 +145,13 @@ class Drafter(StatelessProposer):
         model = self.model
         if all(p.greedy for p in sampling):
             tokens, peaks, z = self._greedy_block(anchors, anchor_pos, kv, mask, gamma)  # [R, γ] each
-            conf = None
-            if z is not None:
-                conf = self.calibration.apply(z) if self.calibration is not None else torch.sigmoid(z)
-            return tokens.tolist(), [None] * len(anchors), conf, peaks
-        h = model.backbone(anchors, anchor_pos, kv, mask, gamma)  # [R, γ, d]
-        base = model.lm_head(h).float()  # U [R, γ, V]
-        prev, state = anchors, None
-        if model.seq_head is not None:
-            state = model.seq_head.init_state(len(anchors), h[:, 0])
-        steps, conf_logits = [], []
+            return tokens.tolist(), [None] * len(anchors), None if z is None else self._confidences(z), peaks
+        h, base, state = model.block_start(anchors, anchor_pos, kv, mask, gamma)
+        prev, steps, conf_logits = anchors, [], []
         for k in range(gamma):
-            logits = base[:, k]  # [R, V]
-            if model.seq_head is not None:
-                bias, prev_embed, state = model.seq_head.step(prev, h[:, k], state)
-                logits = logits + bias.float()
-                if model.confidence is not None:
-                    conf_logits.append(model.confidence(h[:, k], prev_embed).float())  # [R]
+            logits, z, state = model.head_step(base[:, k], h[:, k], prev, state)
+            if z is not None:
+                conf_logits.append(z)  # [R]
             prev, draft = self._sample(logits, sampling)
             steps.append(draft)
         return self._collect(steps, conf_logits)
@@ -215,8 +205,9 @@ class Drafter(StatelessProposer):
             rows = [step[i][1] for step in steps]
             q.append(None if rows[0] is None else (torch.stack([r[0] for r in rows]).cpu(),
                                                    torch.stack([r[1] for r in rows]).cpu()))
-        conf = None
-        if conf_logits:
-            z = torch.stack(conf_logits, dim=1)  # [R, γ] confidence logits
-            conf = self.calibration.apply(z) if self.calibration is not None else torch.sigmoid(z)
+        conf = self._confidences(torch.stack(conf_logits, dim=1)) if conf_logits else None  # [R, γ]
         return tokens, q, conf, peaks
+
+    def _confidences(self, z: torch.Tensor) -> torch.Tensor:
+        """Confidence logits [R, γ] → a_k, calibrated when the checkpoint carries a calibration."""
+        return self.calibration.apply(z) if self.calibration is not None else torch.sigmoid(z)

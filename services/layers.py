@@ -62,8 +62,8 @@ class Attention(nn.Module):
         """One [q; k; v] weight for the step forward, the three projections' weights becoming views of it, so
         checkpoint names stay and a later in-place load or optimizer step updates both. Idempotent."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_weight = _fuse_weights([p.weight for p in projs], projs)
-        self.qkv_bias = None if self.q_proj.bias is None else _fuse_biases(projs)
+        self.qkv_weight = _fuse(projs, "weight")
+        self.qkv_bias = None if self.q_proj.bias is None else _fuse(projs, "bias")
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [..., d] → q [..., H, Dh], k, v [..., Hkv, Dh], before qk-norm and rotary."""
@@ -104,22 +104,15 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
-def _fuse_weights(weights: list[torch.Tensor], owners) -> torch.Tensor:
-    fused = torch.cat([w.detach() for w in weights])  # [sum(out), in]
+def _fuse(owners, name: str) -> torch.Tensor:
+    """One tensor of the owners' `name` ("weight" or "bias") stacked on dim 0, each owner's own parameter
+    becoming a view of its rows."""
+    parts = [getattr(o, name) for o in owners]
+    fused = torch.cat([p.detach() for p in parts])  # [sum(out), ...]
     offset = 0
-    for owner, w in zip(owners, weights, strict=True):
-        owner.weight = nn.Parameter(fused[offset : offset + w.shape[0]], requires_grad=w.requires_grad)
-        offset += w.shape[0]
-    return fused
-
-
-def _fuse_biases(owners) -> torch.Tensor:
-    fused = torch.cat([o.bias.detach() for o in owners])
-    offset = 0
-    for owner in owners:
-        n = owner.bias.shape[0]
-        owner.bias = nn.Parameter(fused[offset : offset + n], requires_grad=owner.bias.requires_grad)
-        offset += n
+    for owner, part in zip(owners, parts, strict=True):
+        setattr(owner, name, nn.Parameter(fused[offset : offset + part.shape[0]], requires_grad=part.requires_grad))
+        offset += part.shape[0]
     return fused
 
 
@@ -136,8 +129,8 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         """One [gate; up] weight (see `Attention.fuse`)."""
         projs = (self.gate_proj, self.up_proj)
-        self.gate_up_weight = _fuse_weights([p.weight for p in projs], projs)
-        self.gate_up_bias = None if self.gate_proj.bias is None else _fuse_biases(projs)
+        self.gate_up_weight = _fuse(projs, "weight")
+        self.gate_up_bias = None if self.gate_proj.bias is None else _fuse(projs, "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
