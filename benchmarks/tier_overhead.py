@@ -9,6 +9,13 @@ Per-cycle time = wall time / cycles of one request (the c requests run their cyc
 Overhead = tiered − in-process per cycle, in ms and as a share of the in-process engine step (median).
 Every tier uses one torch thread so the three arms do the same arithmetic on this 2-vCPU machine.
 
+Where a tiered cycle's time goes (`breakdown`, per cycle, async-local and tiered at concurrency 1): the
+drafter's and the verifier's model time (propose, engine step; timed in their compute threads), each call's
+hop (the router's await of `draft`/`verify` minus the model time in it: event-loop wake-ups, the hand-off to
+the compute thread and back, delta and feature packing, gRPC), and the router's own work (schedule, commit,
+detokenise, metrics: the cycle minus both awaits). At concurrency > 1 the calls of the requests overlap and
+the split is not additive, so it is taken at concurrency 1 only.
+
     python benchmarks/tier_overhead.py [--concurrency 1,8] [--max-tokens 96] [--rounds 3] [--json PATH]
 """
 
@@ -33,6 +40,7 @@ from router.router import Router, RouterConfig
 from router.scheduling.policy import Policy
 from router.session import RouterRequest, Speculation
 from router.tiers.grpc import GrpcDrafter, GrpcVerifier
+from services import event_loop
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
 from services.types import SamplingParams
@@ -80,6 +88,58 @@ def in_process(tok, c: int, max_tokens: int) -> tuple[float, int, float]:
     return time.perf_counter() - t0, sum(r.cycles for r in results), step_ms
 
 
+class Clock:
+    """Sums of the time spent in wrapped callables, by name (sync or async)."""
+
+    def __init__(self):
+        self.total: dict[str, float] = {}
+
+    def _add(self, name: str, t0: float) -> None:
+        self.total[name] = self.total.get(name, 0.0) + time.perf_counter() - t0
+
+    def sync(self, name: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._add(name, t0)
+        return timed
+
+    def awaited(self, name: str, fn):
+        async def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                self._add(name, t0)
+        return timed
+
+
+def timed_tiers(verifier, drafter, clock: Clock):
+    """Wrap the router's two awaits so the clock sees how long each call took as the router saw it."""
+    verifier.verify = clock.awaited("verify_call", verifier.verify)
+    drafter.draft = clock.awaited("draft_call", drafter.draft)
+    return verifier, drafter
+
+
+def breakdown(clock: Clock, wall_s: float, cycles: int) -> dict[str, float]:
+    """Per-cycle milliseconds: model time and hop of each tier call, and the router's own share."""
+    per = {k: 1000 * v / cycles for k, v in clock.total.items()}
+    out = {"cycle": 1000 * wall_s / cycles, "draft_call": per.get("draft_call", 0.0),
+           "verify_call": per.get("verify_call", 0.0)}
+    if "propose" in per:
+        out |= {"drafter_model": per["propose"], "drafter_hop": out["draft_call"] - per["propose"],
+                "verifier_model": per["step"], "verifier_hop": out["verify_call"] - per["step"]}
+    elif "drafter_step_ema" in clock.total:  # a tier in its own process: its step time as its Load reports it
+        out |= {"drafter_step": clock.total["drafter_step_ema"],
+                "drafter_hop": out["draft_call"] - clock.total["drafter_step_ema"],
+                "verifier_step": clock.total["verifier_step_ema"],
+                "verifier_hop": out["verify_call"] - clock.total["verifier_step_ema"]}
+    out["router"] = out["cycle"] - out["draft_call"] - out["verify_call"]
+    return {k: round(v, 3) for k, v in out.items()}
+
+
 async def tiered_run(verifier, drafter, tok, c: int, max_tokens: int, tag: str) -> tuple[float, int]:
     router = Router(verifier, drafter, {"dspark"}, RouterConfig(default=Speculation("dspark", Policy.FIXED, 7)), tok)
 
@@ -95,22 +155,33 @@ async def tiered_run(verifier, drafter, tok, c: int, max_tokens: int, tag: str) 
     return time.perf_counter() - t0, sum(cycles)
 
 
-async def async_local(tok, c: int, max_tokens: int):
+async def async_local(tok, c: int, max_tokens: int, clock: Clock | None = None):
     v, d = settings()
     vs, ds = verifier_service(v), drafter_service(d)
     await vs.start()
     await ds.start()
     await tiered_run(LocalVerifier(vs), LocalDrafter(ds), tok, c, max_tokens, "w")
-    out = await tiered_run(LocalVerifier(vs), LocalDrafter(ds), tok, c, max_tokens, "m")
+    verifier, drafter = LocalVerifier(vs), LocalDrafter(ds)
+    if clock is not None:
+        vs.engine.step = clock.sync("step", vs.engine.step)
+        proposer = ds.proposers["dspark"]
+        proposer.propose = clock.sync("propose", proposer.propose)
+        verifier, drafter = timed_tiers(verifier, drafter, clock)
+    out = await tiered_run(verifier, drafter, tok, c, max_tokens, "m")
     await vs.stop()
     await ds.stop()
     return out
 
 
-async def over_grpc(addresses, tok, c: int, max_tokens: int):
+async def over_grpc(addresses, tok, c: int, max_tokens: int, clock: Clock | None = None):
     verifier, drafter = GrpcVerifier(addresses[0]), GrpcDrafter(addresses[1])
     await tiered_run(verifier, drafter, tok, c, max_tokens, "w")
+    if clock is not None:
+        verifier, drafter = timed_tiers(verifier, drafter, clock)
     out = await tiered_run(verifier, drafter, tok, c, max_tokens, "m")
+    if clock is not None:  # EMAs of the last ~10 steps of each tier (in its compute thread, hand-off included)
+        clock.total["verifier_step_ema"] = (await verifier.load()).step_ms_ema
+        clock.total["drafter_step_ema"] = (await drafter.load()).step_ms_ema
     await verifier.close()
     await drafter.close()
     return out
@@ -135,16 +206,26 @@ def main() -> None:
                 wall, cycles, step_ms = in_process(tok, c, args.max_tokens)
                 per["in_process"].append(1000 * wall / (cycles / c))
                 steps.append(step_ms)
-                wall, cycles = asyncio.run(async_local(tok, c, args.max_tokens))
+                wall, cycles = event_loop.run(async_local(tok, c, args.max_tokens))
                 per["async_local"].append(1000 * wall / (cycles / c))
-                wall, cycles = asyncio.run(over_grpc([t.address for t in tiers], tok, c, args.max_tokens))
+                wall, cycles = event_loop.run(over_grpc([t.address for t in tiers], tok, c, args.max_tokens))
                 per["tiered"].append(1000 * wall / (cycles / c))
             med = {k: statistics.median(v) for k, v in per.items()}
             step_ms = statistics.median(steps)
             overhead = med["tiered"] - med["in_process"]
+            split = {}
+            if c == 1:  # one more run of each, instrumented; with c > 1 the requests' calls overlap: not additive
+                clocks = {"async_local": Clock(), "tiered": Clock()}
+                wall, cycles = event_loop.run(async_local(tok, c, args.max_tokens, clocks["async_local"]))
+                split["async_local"] = breakdown(clocks["async_local"], wall, cycles)
+                wall, cycles = event_loop.run(over_grpc([t.address for t in tiers], tok, c, args.max_tokens,
+                                                        clocks["tiered"]))
+                split["tiered"] = breakdown(clocks["tiered"], wall, cycles)
             rows.append({"concurrency": c, **{f"{k}_ms_per_cycle": round(x, 2) for k, x in med.items()},
                          "verify_step_ms": round(step_ms, 2), "overhead_ms": round(overhead, 2),
                          "overhead_pct_of_verify_step": round(100 * overhead / step_ms, 1),
+                         "overhead_pct_of_cycle": round(100 * overhead / med["in_process"], 1),
+                         "breakdown_ms_per_cycle": split,
                          "rounds": {k: [round(x, 2) for x in v] for k, v in per.items()}})
     finally:
         for t in tiers:
@@ -155,6 +236,10 @@ def main() -> None:
         print(f"{r['concurrency']:>3} {r['in_process_ms_per_cycle']:>11.2f} {r['async_local_ms_per_cycle']:>12.2f} "
               f"{r['tiered_ms_per_cycle']:>8.2f} {r['verify_step_ms']:>12.2f} {r['overhead_ms']:>9.2f} "
               f"{r['overhead_pct_of_verify_step']:>6.1f}")
+    print("\nper cycle, ms (one instrumented run each; hop = the router's await minus the model time in it)")
+    for r in rows:
+        for arm, split in r["breakdown_ms_per_cycle"].items():
+            print(f"  c={r['concurrency']} {arm:<12} " + "  ".join(f"{k} {v:.2f}" for k, v in split.items()))
     meta = {"machine": platform.processor() or platform.machine(), "cpus": torch.get_num_threads(),
             "torch": torch.__version__, "max_tokens": args.max_tokens, "gamma": 7, "dtype": "float32"}
     with open(args.json, "w") as f:

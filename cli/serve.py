@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import shutil
@@ -13,6 +12,7 @@ from pathlib import Path
 from cluster.settings import ServeSettings, preflight
 from drafter_worker.settings import DrafterSettings
 from router.settings import RouterSettings
+from services import event_loop
 from services.settings import add_flags, load, merge, nest
 from services.tls import TlsSettings
 from verifier_worker.settings import VerifierSettings
@@ -61,11 +61,11 @@ def run_role(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.command} %(levelname)s %(message)s")
     settings = load(ROLES[args.command], args.config, _flags(args))
     if args.command == "verifier":
-        asyncio.run(run_tier(start_verifier(settings), args.address_file))
+        event_loop.run(run_tier(start_verifier(settings), args.address_file))
     elif args.command == "drafter":
-        asyncio.run(run_tier(start_drafter(settings), args.address_file))
+        event_loop.run(run_tier(start_drafter(settings), args.address_file))
     else:
-        asyncio.run(run_router(settings))
+        event_loop.run(run_router(settings))
     return 0
 
 
@@ -95,7 +95,7 @@ def run_serve(args: argparse.Namespace) -> int:
         logging.info("pools ready: %s", {role: len(m) for role, m in members.items()})
         logging.info("OpenAI API on http://%s:%d/v1 (model %s)", settings.router.host, settings.router.port,
                      settings.router.model)
-        asyncio.run(run_router(settings.router, RayDiscovery(controller),
+        event_loop.run(run_router(settings.router, RayDiscovery(controller),
                                with_drafter=settings.router.method != "none"))
     except KeyboardInterrupt:
         pass

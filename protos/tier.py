@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from protos.serving import GrpcServer, wait_for_signal
+from services import event_loop
 from services.errors import DsparkError
 from services.load_board import BoardPublisher, RedisBoard, connect_board
 from services.tracing import setup_tracing
@@ -97,7 +98,7 @@ def tier_main(argv: list[str] | None, settings_type, start, prog: str) -> int:
     config, address_file = args.pop("config"), args.pop("address_file")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {prog} %(levelname)s %(message)s")
     try:
-        asyncio.run(run_tier(start(load(settings_type, config, args)), address_file))
+        event_loop.run(run_tier(start(load(settings_type, config, args)), address_file))
     except (DsparkError, ValueError, FileNotFoundError) as error:  # bad settings, certificates, credentials
         print(f"error: {error}", file=sys.stderr)  # noqa: T201 - the one line a launcher shows its user
         return 2

@@ -1,8 +1,10 @@
 """Incremental detokenization with stop strings, for streaming one text delta per cycle.
 
-The whole output is re-decoded each time (byte-level BPE merges across token boundaries, and outputs
-here are short), and text that could still change is held back: a trailing U+FFFD (an incomplete
-UTF-8 sequence) and any suffix that might grow into a stop string.
+Each new token is decoded in a short window rather than re-decoding the whole output (which made a cycle's
+cost grow with the output: O(n²) over a request). The window is vLLM's: the tokens since `prefix` give the
+decoder its left context (byte-level BPE merges and a leading-space rule depend on it), and the text they
+add beyond the window's earlier part is the new text. A window whose text ends in U+FFFD (an incomplete
+UTF-8 sequence) waits for its next token. Text that could still become a stop string is held back.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.tokenizer import TextTokenizer
+
+_CONTEXT = 5  # tokens of left context a window keeps when it moves on (vLLM keeps 5 too)
 
 
 @dataclass(slots=True)
@@ -19,13 +23,15 @@ class TextStream:
     token_ids: list[int] = field(default_factory=list)
     sent: int = 0  # characters of text already handed out
     stopped: bool = False
-    _full: str = field(default="", init=False)  # decoded text of token_ids
+    _full: str = field(default="", init=False)  # decoded text of token_ids[:_read]
+    _prefix: int = field(default=0, init=False)  # start of the decode window (left context)
+    _read: int = field(default=0, init=False)  # tokens whose text is in _full
 
     def feed(self, new_ids: list[int]) -> tuple[list[int], str]:
         """Add a cycle's tokens → (tokens kept, text delta). After a stop string, later tokens are dropped."""
-        if not self.stop:  # no stop strings: one decode per cycle
+        if not self.stop:  # no stop strings: one window decode per cycle
             self.token_ids.extend(new_ids)
-            self._full = self._decode()
+            self._advance()
             return list(new_ids), self._delta(final=False)
         kept = []
         for token in new_ids:  # find the token that completes a stop string
@@ -33,12 +39,13 @@ class TextStream:
                 break
             self.token_ids.append(token)
             kept.append(token)
-            self._full = self._decode()
+            self._advance()
             self.stopped = self._stop_at(self._full) is not None
         return kept, self._delta(final=self.stopped)
 
     def flush(self) -> str:
-        """The text held back, at the end of the request."""
+        """The text held back, at the end of the request (an incomplete UTF-8 tail included, as U+FFFD)."""
+        self._advance(final=True)
         return self._delta(final=True)
 
     @property
@@ -46,8 +53,17 @@ class TextStream:
         cut = self._stop_at(self._full)
         return self._full if cut is None else self._full[:cut]
 
-    def _decode(self) -> str:
-        return self.tokenizer.decode(self.token_ids) if self.tokenizer is not None else ""
+    def _advance(self, final: bool = False) -> None:
+        """Move the tokens after `_read` into `_full`, unless their text is still an incomplete character."""
+        if self.tokenizer is None or self._read == len(self.token_ids):
+            return
+        known = self.tokenizer.decode(self.token_ids[self._prefix : self._read])
+        window = self.tokenizer.decode(self.token_ids[self._prefix :])
+        if window.endswith("\ufffd") and not final:
+            return
+        self._full += window[len(known) :]
+        self._read = len(self.token_ids)
+        self._prefix = max(0, self._read - _CONTEXT)
 
     def _stop_at(self, text: str) -> int | None:
         hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
@@ -57,8 +73,6 @@ class TextStream:
         text = self.text
         safe = len(text)
         if not final:
-            while safe > self.sent and text[safe - 1] == "\ufffd":
-                safe -= 1
             hold = 0
             for s in self.stop:  # hold back a suffix that is a proper prefix of a stop string
                 hold = max([hold, *(n for n in range(1, min(len(s) - 1, safe) + 1) if text[safe - n : safe] == s[:n])])

@@ -6,6 +6,8 @@ import asyncio
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from drafter_worker.service import DrafterService
 from router.scheduling.planner import VerifyPlanner
@@ -42,6 +44,20 @@ def test_text_that_could_start_a_stop_string_is_held_back(tok):
     stream = TextStream(tok, stop=("STOP",))
     _, text = stream.feed(ids)
     assert text == "abc " and stream.flush() == "STO"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet="ab €😀中\n\t", max_size=40), st.lists(st.integers(1, 5), min_size=1, max_size=8))
+def test_streamed_text_is_the_decoded_text(tok, text, cuts):
+    """Windowed decoding, streamed in any chunking, adds up to one decode of the whole output, and a character
+    split across tokens waits for its last byte instead of streaming as U+FFFD."""
+    ids = tok.encode("x " + text)[1:]
+    stream, pieces, i, k = TextStream(tok), [], 0, 0
+    while i < len(ids):
+        pieces.append(stream.feed(ids[i : i + cuts[k % len(cuts)]])[1])
+        i, k = i + cuts[k % len(cuts)], k + 1
+    assert "\ufffd" not in "".join(pieces)
+    assert "".join(pieces) + stream.flush() == tok.decode(ids)
 
 
 def test_speculative_options_within_the_deployment():

@@ -37,8 +37,9 @@ class _StreamPool:
         if call is None:
             call = self._streams[request_id] = self._open_call()
         try:
-            await asyncio.wait_for(call.write(message), self.timeout_s)
-            reply = await asyncio.wait_for(call.read(), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # one deadline for the exchange; no task per await
+                await call.write(message)
+                reply = await call.read()
         except grpc.aio.AioRpcError as error:
             self.drop(request_id)
             raise error_from_rpc(error, self.address) from None
