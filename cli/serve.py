@@ -65,7 +65,7 @@ def run_role(args: argparse.Namespace) -> int:
     elif args.command == "drafter":
         event_loop.run(run_tier(start_drafter(settings), args.address_file))
     else:
-        event_loop.run(run_router(settings))
+        event_loop.run(run_router(settings, address_file=args.address_file))
     return 0
 
 

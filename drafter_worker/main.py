@@ -16,6 +16,7 @@ from drafter_worker.settings import DrafterSettings
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import GrpcServer
 from protos.tier import RunningTier, open_board, role_tracer, set_threads, start_publisher
+from services.batching import compute_thread
 from services.errors import InvalidRequestError
 from services.loader import load_model
 from services.registry import list_models, resolve_model
@@ -47,10 +48,11 @@ async def start_drafter(s: DrafterSettings) -> RunningTier:
     set_threads(s.threads)
     tls, board = read_tls(s.tls), open_board(s.redis_url)
     tracer = role_tracer("dspark-drafter", s)
-    service = await asyncio.to_thread(drafter_service, s)
+    compute = compute_thread()  # every torch call of this tier on one thread (services/batching.py)
+    service = await asyncio.get_running_loop().run_in_executor(compute, drafter_service, s)
     server = GrpcServer(s.host, s.port, ["dspark.v1.Drafter"], tls)
     rpc.add_DrafterServicer_to_server(DrafterServicer(service, tracer), server.server)
-    await service.start()
+    await service.start(compute)
     await server.start()
 
     def snapshot() -> dict:

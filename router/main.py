@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from functools import partial
+from pathlib import Path
 
 import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -78,7 +79,16 @@ async def tier_health(pools: Pools) -> dict[str, bool]:
     return tiers
 
 
-async def run_router(s: RouterSettings, discovery: Discovery | None = None, with_drafter: bool | None = None) -> None:
+async def announce(server: uvicorn.Server, address_file: Path) -> None:
+    """Write the bound HTTP address once uvicorn serves (how a launcher learns which port 0 became)."""
+    while not server.started:
+        await asyncio.sleep(0.05)
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    address_file.write_text(f"{host}:{port}")
+
+
+async def run_router(s: RouterSettings, discovery: Discovery | None = None, with_drafter: bool | None = None,
+                     address_file: Path | None = None) -> None:
     tracer = role_tracer("dspark-router", s)
     router, tokenizer, pools = build_router(s, tracer, discovery, with_drafter)
     config = ApiConfig(router.model, s.max_model_len, tuple(s.api_key or ()), s.max_body_bytes)
@@ -92,9 +102,12 @@ async def run_router(s: RouterSettings, discovery: Discovery | None = None, with
         await grpc_server.start()
     await pools.refresh()
     await router.start(pools.run)
+    announced = None if address_file is None else asyncio.create_task(announce(server, address_file))
     try:
         await server.serve()
     finally:
+        if announced is not None:
+            announced.cancel()
         await router.stop()
         if grpc_server is not None:
             await grpc_server.stop(5.0)

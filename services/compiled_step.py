@@ -12,6 +12,12 @@ keys Lb, logit rows M) are symbolic, so one graph serves every step, prefill chu
 
 Because every step runs the same kernels and each of them treats a row on its own, a position's logits do
 not depend on what else shares the step (checked in tests/test_compiled_step.py, as for eager).
+
+On CUDA the graph also runs as CUDA graphs (`mode="reduce-overhead"`: one launch per step instead of one
+per kernel). A CUDA graph replays fixed sizes, so there the sizes are padded up to buckets (powers of two;
+keys to a power of two ≥ `KV_MULTIPLE`): a handful of graphs is captured and replayed, not one per step
+shape. The KV cache is marked a static address, so replays write it in place instead of copying it in.
+`buckets=True` pads on CPU too (how the padding itself is tested without a GPU).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as fx_config
 
-from services.attention import AttentionPlan
+from services.attention import KV_MULTIPLE, AttentionPlan
 from services.layers import RaggedLayout
 from services.model import CausalLM, ForwardOutput
 
@@ -30,15 +36,18 @@ from services.model import CausalLM, ForwardOutput
 class CompiledStep:
     """Callable like `CausalLM` (the `Engine`'s model call); compiles at construction (`warm_s` says how long)."""
 
-    def __init__(self, model: CausalLM, max_len: int, num_slots: int):
+    def __init__(self, model: CausalLM, max_len: int, num_slots: int, buckets: bool | None = None):
         self.model = model
+        cuda = model.device.type == "cuda"
+        self.buckets = cuda if buckets is None else buckets  # pad sizes to powers of two (CUDA graphs replay)
+        self._layers: tuple | None = None  # (k_cache, v_cache, their per-layer views): one set of objects
         self.config, self.tap_layers = model.config, model.tap_layers
         fx_config.use_duck_shape = False
         # Process-wide and read when a graph is compiled (a `torch.compile(options=...)` entry is not honoured
         # for freezing): weights become constants and the linears oneDNN calls on pre-packed weights.
         inductor_config.freezing = True
         model.rotary()  # built now, so the graph reads the table as a constant instead of rebuilding it
-        self._fn = torch.compile(model.step, dynamic=True, fullgraph=True)
+        self._fn = torch.compile(model.step, dynamic=True, fullgraph=True, mode="reduce-overhead" if cuda else None)
         self.warm_s = self._warm(max_len, num_slots)
 
     @property
@@ -69,14 +78,36 @@ class CompiledStep:
         n, m = input_ids.shape[0], logit_rows.shape[0]
         plan = AttentionPlan.build(layout.slots, layout.starts, layout.lens, input_ids.device, k_cache.shape[3])
         ws, wp, bs, gather, mask, scatter = plan.tensors()
-        ids, pos, ws, wp, scatter = (_at_least_two(t) for t in (input_ids, positions, ws, wp, scatter))
-        bs, gather, mask = (_at_least_two(t) for t in (bs, gather, mask))
-        rows = _at_least_two(logit_rows) if m else logit_rows.new_zeros(2)
-        logits, features = self._fn(ids, pos, ws, wp, bs, gather, mask, scatter, k_cache.unbind(0),
-                                    v_cache.unbind(0), rows)
+        size = _bucket if self.buckets else lambda x: max(2, x)
+        ids, pos, ws, wp, scatter = (_pad(t, size(n)) for t in (input_ids, positions, ws, wp, scatter))
+        bs, gather, mask = (_pad(t, size(bs.shape[0])) for t in (bs, gather, mask))
+        if self.buckets:  # keys too: the extra positions are masked out, as the KV_MULTIPLE padding is
+            kv = min(k_cache.shape[3], max(KV_MULTIPLE, _bucket(mask.shape[-1])))
+            mask = torch.nn.functional.pad(mask, (0, kv - mask.shape[-1]), value=False)
+        rows = _pad(logit_rows, size(m)) if m else logit_rows.new_zeros(size(1))
+        keys, values = self._per_layer(k_cache, v_cache)
+        logits, features = self._fn(ids, pos, ws, wp, bs, gather, mask, scatter, keys, values, rows)
         return ForwardOutput(logits=logits[:m], features=None if features is None else features[:n])
 
+    def _per_layer(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[tuple, tuple]:
+        """The caches' per-layer views, made once per cache: the same tensors every step, which a CUDA graph
+        needs to treat them as static addresses (fresh views each step would be copied in at every replay)."""
+        if self._layers is None or self._layers[0] is not k_cache or self._layers[1] is not v_cache:
+            keys, values = k_cache.unbind(0), v_cache.unbind(0)
+            if self.device.type == "cuda":
+                for t in (*keys, *values):
+                    torch._dynamo.mark_static_address(t)
+            self._layers = (k_cache, v_cache, keys, values)
+        return self._layers[2], self._layers[3]
 
-def _at_least_two(t: torch.Tensor) -> torch.Tensor:
-    """t with its last entry (along dim 0) repeated once when it has a single one."""
-    return torch.cat([t, t[-1:]]) if t.shape[0] == 1 else t
+
+def _bucket(n: int) -> int:
+    """The power of two ≥ n (and ≥ 2: a size of 1 would be specialised into a graph of its own)."""
+    return max(2, 1 << (n - 1).bit_length())
+
+
+def _pad(t: torch.Tensor, size: int) -> torch.Tensor:
+    """t grown to `size` entries along dim 0 by repeating its last entry (a repeated row writes the same key
+    to the same place; a repeated block or logit row is dropped again)."""
+    extra = size - t.shape[0]
+    return torch.cat([t, t[-1:].expand(extra, *t.shape[1:])]) if extra > 0 else t

@@ -73,3 +73,21 @@ def test_profile_json(capsys, model_dir):
 def test_generate_chat_wraps_the_prompt(capsys, model_dir):
     (record,) = _generate(capsys, model_dir, "--prompt", "Hi?", "--chat")
     assert record["prompt"] == "<|user|>\nHi?<|end|>\n<|assistant|>\n"
+
+
+def test_router_role_announces_its_http_address(model_dir):
+    """`dspark router` with port 0 writes the address it bound (as the tiers do), so a launcher can find it;
+    with its verifier unreachable its /health says 503, naming the tier."""
+    import httpx
+
+    from cluster.launcher import start_tiers
+    from router.settings import RouterSettings
+
+    settings = RouterSettings(port=0, model=str(model_dir), verifier="127.0.0.1:9", drafter=None, method="none",
+                              policy="none", methods=[])
+    router, = start_tiers([("router", settings)], timeout_s=60)
+    try:
+        reply = httpx.get(f"http://{router.address}/health", timeout=10)
+        assert reply.status_code == 503 and reply.json()["tiers"] == {"verifier": False}
+    finally:
+        router.stop()

@@ -56,14 +56,19 @@ def test_compiled_bf16_speculation_is_bit_exact(bf16_model, compiled_plain):
     assert sum(r.accepted_tokens for r in spec) > 0
 
 
-def test_compiled_forward_agrees_with_eager_in_fp32():
+@pytest.mark.parametrize("buckets", [False, True], ids=["exact-sizes", "cuda-graph-buckets"])
+def test_compiled_forward_agrees_with_eager_in_fp32(buckets):
+    """Also with the sizes padded to the power-of-two buckets CUDA graphs replay (rows, blocks, keys, logit rows
+    of 23 → 32, 3 → 4, 64 → 64, ...): the padding adds nothing and drops nothing."""
     model = make_model(taps=(1,))
     model.fuse_projections()
-    step = CompiledStep(model, max_len=64, num_slots=3)
+    step = CompiledStep(model, max_len=128 if buckets else 64, num_slots=3, buckets=buckets)
     cfg = model.config
-    shape = (cfg.num_hidden_layers, 3, cfg.num_key_value_heads, 64, cfg.head_dim)
+    shape = (cfg.num_hidden_layers, 3, cfg.num_key_value_heads, 128 if buckets else 64, cfg.head_dim)
     layouts = [RaggedLayout([2, 0], [0, 0], [7, 12]), RaggedLayout([0, 1, 2], [12, 0, 7], [3, 5, 1]),
                RaggedLayout([1], [5], [1])]
+    if buckets:  # keys past 64: the key bucket grows to 128
+        layouts.append(RaggedLayout([0, 2], [15, 8], [60, 3]))
     caches = {}
     for name, fn in (("eager", model), ("compiled", step)):
         k, v = torch.zeros(shape), torch.zeros(shape)

@@ -6,10 +6,12 @@
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import GrpcServer
 from protos.tier import RunningTier, open_board, role_tracer, set_threads, start_publisher
+from services.batching import compute_thread
 from services.loader import load_model
 from services.model_config import ModelConfig, default_tap_layers
 from services.registry import resolve_model
@@ -45,11 +47,13 @@ async def start_verifier(s: VerifierSettings, model=None) -> RunningTier:
     set_threads(s.threads)
     tls, board = read_tls(s.tls), open_board(s.redis_url)  # before the model loads: bad certificates or credentials
     tracer = role_tracer("dspark-verifier", s)
-    service = await asyncio.to_thread(verifier_service, s, model)
-    sps = await asyncio.to_thread(profile_sps, service.engine.forward, context=256, repeats=5) if s.profile else []
+    compute, loop = compute_thread(), asyncio.get_running_loop()  # every torch call of this tier on one thread
+    service = await loop.run_in_executor(compute, verifier_service, s, model)
+    sps = await loop.run_in_executor(compute, partial(profile_sps, service.engine.forward, context=256, repeats=5)) \
+        if s.profile else []
     server = GrpcServer(s.host, s.port, ["dspark.v1.Verifier"], tls)
     rpc.add_VerifierServicer_to_server(VerifierServicer(service, tracer, sps, server.address), server.server)
-    await service.start()
+    await service.start(compute)
     await server.start()
 
     def snapshot() -> dict:
