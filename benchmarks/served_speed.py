@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import httpx
 import torch
 
+from benchmarks.engine_speed import cpu_model
 from cluster.launcher import start_tiers
 from drafter_worker.main import drafter_service
 from drafter_worker.settings import DrafterSettings
@@ -128,7 +128,7 @@ def main() -> None:
         print(f"{name:>6}: in-process {med[f'{name}_in_process']:7.1f} tok/s   served {med[f'{name}_served']:7.1f} "
               f"tok/s   served / in-process {ratios[f'{name}_served_over_in_process']:.2f}   "
               f"served TTFT {med[f'{name}_served_ttft_ms']:.1f} ms")
-    meta = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
+    meta = {"machine": cpu_model(), "threads": args.threads,
             "torch": torch.__version__, "max_tokens": args.max_tokens, "prompts": len(PROMPTS), "dtype": "auto"}
     with open(args.json, "w") as f:
         json.dump({**meta, "medians": med, **ratios, "rounds": per}, f, indent=2)

@@ -24,12 +24,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import statistics
 import time
 
 import torch
 
+from benchmarks.engine_speed import cpu_model
 from cluster.launcher import start_tier
 from drafter_worker.drafter import Drafter
 from drafter_worker.main import drafter_service
@@ -240,7 +240,7 @@ def main() -> None:
     for r in rows:
         for arm, split in r["breakdown_ms_per_cycle"].items():
             print(f"  c={r['concurrency']} {arm:<12} " + "  ".join(f"{k} {v:.2f}" for k, v in split.items()))
-    meta = {"machine": platform.processor() or platform.machine(), "cpus": torch.get_num_threads(),
+    meta = {"machine": cpu_model(), "cpus": torch.get_num_threads(),
             "torch": torch.__version__, "max_tokens": args.max_tokens, "gamma": 7, "dtype": "float32"}
     with open(args.json, "w") as f:
         json.dump({**meta, "rows": rows}, f, indent=2)
