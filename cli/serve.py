@@ -10,9 +10,11 @@ import signal
 from pathlib import Path
 
 from cluster.settings import ServeSettings, preflight
+from cluster.speculative_config import SpeculativeFlags, apply
 from drafter_worker.settings import DrafterSettings
 from router.settings import RouterSettings
 from services import event_loop
+from services.errors import InvalidRequestError
 from services.settings import add_flags, load, merge, nest
 from services.tls import TlsSettings
 from verifier_worker.settings import VerifierSettings
@@ -41,6 +43,7 @@ def add_parsers(sub) -> None:
                                               "default: a private redis-server on loopback when one is on PATH"})):
         serve.add_argument(flag, default=argparse.SUPPRESS, **kw)
     add_flags(serve, TlsSettings, "tls.")  # one TLS config for every gRPC hop of the deployment
+    add_flags(serve, SpeculativeFlags)  # vLLM's --speculative-config, SGLang's --speculative-*
     for role, settings in ROLES.items():
         p = sub.add_parser(role, help=_HELP[role])
         p.add_argument("--config", type=Path, help="YAML whose keys are the flag names below (snake_case)")
@@ -126,6 +129,7 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
         if flag in flags:
             pool_flags[pool][key] = flags.pop(flag)
     common = {k: flags.pop(k) for k in ("model", "traces", "otlp_traces_endpoint", "redis_url") if k in flags}
+    speculative = {k: flags.pop(k) for k in list(flags) if k.startswith("speculative_")}
     if "api_key" in flags:
         flags["api_key"] = [flags["api_key"]]
     # Replica actors serve gRPC on their Ray node's address and a free port, whatever these say.
@@ -140,4 +144,13 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
     merged["pools"] = {pool: {**getattr(base.pools, pool).model_dump(exclude_unset=True), **extra}
                        for pool, extra in pool_flags.items()}
     merged["autoscaler"] = base.autoscaler.model_dump(exclude_unset=True)
+    # The speculative options, the file's overridden by the flags (one family of names at a time), go into
+    # the router's and the drafter pool's sections.
+    options = speculative or base.model_dump(include=set(SpeculativeFlags.model_fields), exclude_none=True)
+    try:
+        spec = SpeculativeFlags.model_validate(options).speculative()
+    except ValueError as error:  # pydantic's ValidationError is one too
+        raise InvalidRequestError(f"speculative options: {error}") from None
+    if spec is not None:
+        apply(spec, merged["router"], merged["drafter"])
     return load(ServeSettings, None, merged)

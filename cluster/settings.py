@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field, model_validator
 
+from cluster.speculative_config import SpeculativeFlags
 from drafter_worker.settings import DrafterSettings
 from router.settings import RouterSettings
 from services.settings import Settings
@@ -66,7 +67,10 @@ class AutoscalerSettings(Settings):
                                    "is killed once idle or after this long")
 
 
-class ServeSettings(Settings):
+class ServeSettings(SpeculativeFlags):
+    """The deployment: each role's section, Ray, pools, autoscaler; and (top level, as vLLM's and SGLang's flags
+    are) the speculative options those engines' users type (`cluster/speculative_config.py`)."""
+
     tls: TlsSettings | None = Field(None, description="TLS of every gRPC hop: the replicas serve with it, the "
                                     "router connects with it (a role section's own tls: wins)")
     verifier: VerifierSettings = VerifierSettings()
