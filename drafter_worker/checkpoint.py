@@ -2,7 +2,8 @@
 
 Layout: `config.json` (the target's config with the drafter's layer count and a `dspark_drafter`
 section), `model.safetensors` (the drafter's own weights; embedding and LM head come from the target),
-and `calibration.json` when confidences were calibrated.
+and `calibration.json` when confidences were calibrated. Released formats of other projects load through
+`drafter_worker/formats/` (detected from config.json, or forced with `fmt`).
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from drafter_worker.block_model import BlockDraftModel
 from drafter_worker.calibration import Calibration
 from drafter_worker.chain_model import ChainDraftModel
 from drafter_worker.config import DrafterConfig
+from drafter_worker.formats import deepspec, detect, read_config, read_tensors
 from services.checkpoint import hf_config_dict
 from services.errors import ModelLoadError
 from services.loader import resolve_device, resolve_dtype
@@ -28,10 +30,11 @@ DraftModel = BlockDraftModel | ChainDraftModel
 _SHARED = ("embed_tokens.weight", "lm_head.weight")  # the target's, never stored with the drafter
 
 
-def build_draft_model(dcfg: DrafterConfig, target: CausalLM) -> DraftModel:
-    """A fresh draft model sharing (a frozen copy of) the target's embedding and LM head."""
+def build_draft_model(dcfg: DrafterConfig, target: CausalLM, cfg: ModelConfig | None = None) -> DraftModel:
+    """A fresh draft model sharing (a frozen copy of) the target's embedding and LM head; its layers shaped
+    by `cfg` (the draft's own config; default the target's)."""
     cls = BlockDraftModel if dcfg.method.is_block else ChainDraftModel
-    model = cls(dcfg, target.config).to(device=target.device, dtype=target.dtype)
+    model = cls(dcfg, cfg or target.config).to(device=target.device, dtype=target.dtype)
     model.embed_tokens.weight = torch.nn.Parameter(target.model.embed_tokens.weight.detach().clone(),
                                                    requires_grad=False)
     model.lm_head.weight = torch.nn.Parameter(target.lm_head.weight.detach().clone(), requires_grad=False)
@@ -53,9 +56,10 @@ def save_drafter(model: DraftModel, out_dir: str | Path, dtype: torch.dtype = to
     return out
 
 
-def drafter_config(model_dir: str | Path) -> DrafterConfig:
-    path = Path(model_dir) / "config.json"
-    raw = json.loads(path.read_text()) if path.is_file() else {}
+def drafter_config(model_dir: str | Path, fmt: str = "auto") -> DrafterConfig:
+    raw, where = read_config(Path(model_dir)), str(model_dir)
+    if detect(raw, where, fmt) == "deepspec":
+        return deepspec.drafter_config(raw, where)
     if "dspark_drafter" not in raw:
         raise ModelLoadError(f"{model_dir}: not a drafter checkpoint (no dspark_drafter in config.json)")
     try:
@@ -65,22 +69,55 @@ def drafter_config(model_dir: str | Path) -> DrafterConfig:
 
 
 def load_drafter(name_or_dir: str | Path, target: CausalLM, dtype: str | torch.dtype = "auto",
-                 device: str | torch.device | None = "cpu") -> tuple[DraftModel, Calibration | None]:
+                 device: str | torch.device | None = "cpu", fmt: str = "auto"
+                 ) -> tuple[DraftModel, Calibration | None]:
     """Load a drafter for an already loaded `target` (whose embedding and LM head it shares)."""
     model_dir = resolve_model(name_or_dir)
-    dcfg = drafter_config(model_dir)
-    cfg = ModelConfig.from_dir(model_dir)
+    raw = read_config(model_dir)
+    fmt = detect(raw, str(model_dir), fmt)
+    dcfg = drafter_config(model_dir, fmt)
+    cfg = draft_model_config(raw, model_dir)
     if (cfg.hidden_size, cfg.vocab_size) != (target.config.hidden_size, target.config.vocab_size):
         raise ModelLoadError(f"{model_dir}: drafter width/vocab {cfg.hidden_size}/{cfg.vocab_size} do not match "
                              f"the target's {target.config.hidden_size}/{target.config.vocab_size}")
     device = resolve_device(device)
-    model = build_draft_model(dcfg, target).to(device=device, dtype=resolve_dtype(dtype, device))
-    state = load_file(str(model_dir / "model.safetensors"))
-    expected = {k for k in model.state_dict() if k not in _SHARED}
+    model = build_draft_model(dcfg, target, cfg).to(device=device, dtype=resolve_dtype(dtype, device))
+    state = read_tensors(model_dir)
+    if fmt == "deepspec":
+        state = own_vocab_weights(deepspec.rename(state, str(model_dir)), target)
+    expected = set(model.state_dict()) - set(_SHARED) | (set(state) & set(_SHARED))
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
         raise ModelLoadError(f"{model_dir}: tensors missing {missing[:3]}, unexpected {extra[:3]}")
+    shapes = model.state_dict()
+    wrong = [f"{k} {list(v.shape)} (expected {list(shapes[k].shape)})" for k, v in state.items()
+             if v.shape != shapes[k].shape]
+    if wrong:
+        raise ModelLoadError(f"{model_dir}: wrong shapes: {', '.join(wrong[:3])}")
     model.load_state_dict(state, strict=False)
     calibration_path = model_dir / "calibration.json"
     calibration = Calibration.load(calibration_path) if calibration_path.is_file() else None
     return model.eval(), calibration
+
+
+def draft_model_config(raw: dict, model_dir: Path) -> ModelConfig:
+    """The draft's own layer shapes (head_dim, q/k norms, MLP width, RoPE) from its config.json; a foreign
+    format's architecture name stands for its model_type's decoder (DeepSpec's Qwen3DSparkModel: Qwen3)."""
+    if "dspark_drafter" in raw or not deepspec.matches(raw):
+        return ModelConfig.from_dir(model_dir)
+    arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
+        raw.get("model_type", ""))
+    if arch is None:
+        raise ModelLoadError(f"{model_dir}: model_type {raw.get('model_type')!r} of a DeepSpec drafter is not loaded")
+    return ModelConfig.from_dict({**raw, "architectures": [arch]})
+
+
+def own_vocab_weights(state: dict, target: CausalLM) -> dict:
+    """Shipped embedding / LM-head copies: dropped when they equal the target's (shared, as vLLM does), else
+    kept as the drafter's own."""
+    theirs = {"embed_tokens.weight": target.model.embed_tokens.weight, "lm_head.weight": target.lm_head.weight}
+    for name, tensor in theirs.items():
+        if name in state and tuple(state[name].shape) == tuple(tensor.shape) and torch.equal(
+                state[name].to(tensor.dtype), tensor.detach().cpu()):
+            del state[name]
+    return state

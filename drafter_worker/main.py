@@ -27,7 +27,7 @@ def drafter_service(s: DrafterSettings) -> DrafterService:
     names = s.drafters or [e.name for e in list_models() if e.target == Path(s.model).name]
     if not names:
         raise InvalidRequestError(f"no drafters given and none shipped for {s.model}")
-    configs = {name: drafter_config(resolve_model(name)) for name in names}
+    configs = {name: drafter_config(resolve_model(name), s.drafter_format) for name in names}
     taps = {c.tap_layers for c in configs.values()}
     if len(taps) != 1:
         raise InvalidRequestError(f"drafters of one replica must share tap layers, got {sorted(taps)}")
@@ -38,7 +38,7 @@ def drafter_service(s: DrafterSettings) -> DrafterService:
         method = str(cfg.method)
         if method in proposers:
             raise InvalidRequestError(f"two {method} drafters given; a replica hosts one per method")
-        model, calibration = load_drafter(name, target, s.dtype, device)
+        model, calibration = load_drafter(name, target, s.dtype, device, s.drafter_format)
         proposers[method], block_sizes[method] = Drafter(model, calibration, s.max_q, s.seed, s.compile), cfg.block_size
     order = sorted(proposers, key=lambda m: m != "dspark")  # dspark first: the default method
     return DrafterService({m: proposers[m] for m in order}, block_sizes, s.batch_window_ms / 1000, lease_s=s.lease_s)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from services.settings import GrpcServerSettings, Traces
@@ -15,6 +17,8 @@ class DrafterSettings(GrpcServerSettings):
     dtype: str = "auto"
     device: str = "auto"
     threads: int = Field(0, ge=0)
+    drafter_format: Literal["auto", "dspark", "deepspec"] = Field(
+        "auto", description="checkpoint format of the drafters (auto: from each config.json)")
     max_q: int = Field(64, ge=1, description="support size K of the sparse draft distribution q'")
     compile: bool = Field(False, description="torch.compile the greedy blocks of block drafters")
     lease_s: float = Field(60.0, gt=0, description="free a draft context no stream has carried for this long")

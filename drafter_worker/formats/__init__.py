@@ -1,0 +1,63 @@
+"""Drafter checkpoint formats: dspark's own layout and the released ones, told apart by config.json.
+
+`detect` names the format (or checks the one a user forces with `--drafter-format`); each foreign format's
+module turns its config into a `DrafterConfig` and its tensor names into dspark's. The loader
+(`drafter_worker/checkpoint.py`) builds the draft's layers from the draft's own config, never the target's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from drafter_worker.formats import deepspec
+from services.errors import ModelLoadError
+
+FORMATS = ("dspark", "deepspec")
+
+
+def read_config(model_dir: Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{model_dir}: no config.json")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as error:
+        raise ModelLoadError(f"{path}: not valid JSON ({error})") from None
+
+
+def detect(raw: dict, where: str, forced: str = "auto") -> str:
+    """The checkpoint's format: `forced` when given (and plausible), else from its config."""
+    found = "dspark" if "dspark_drafter" in raw else "deepspec" if deepspec.matches(raw) else None
+    if forced != "auto":
+        if forced not in FORMATS:
+            raise ModelLoadError(f"unknown drafter format {forced!r} (known: {', '.join(FORMATS)})")
+        return forced
+    if found is None:
+        raise ModelLoadError(f"{where}: not a drafter checkpoint of a known format (architectures "
+                             f"{raw.get('architectures')}; known: dspark's own config with dspark_drafter, "
+                             f"DeepSpec {', '.join(deepspec.ARCHITECTURES)})")
+    return found
+
+
+def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """`model.safetensors`, or the shards a `model.safetensors.index.json` lists."""
+    model_dir = Path(model_dir)
+    single, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
+    if single.is_file():
+        return load_file(str(single))
+    if not index.is_file():
+        raise ModelLoadError(f"{model_dir}: neither model.safetensors nor model.safetensors.index.json")
+    weight_map = json.loads(index.read_text()).get("weight_map", {})
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        if not (model_dir / shard).is_file():
+            raise ModelLoadError(f"{model_dir}: shard {shard} listed in the index is missing")
+        state.update(load_file(str(model_dir / shard)))
+    missing = sorted(set(weight_map) - set(state))
+    if missing:
+        raise ModelLoadError(f"{model_dir}: tensors the index lists are in no shard: {missing[:3]}")
+    return state
