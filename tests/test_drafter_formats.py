@@ -15,10 +15,13 @@ from safetensors.torch import save_file
 
 from drafter_worker.checkpoint import drafter_config, load_drafter
 from drafter_worker.drafter import Drafter
+from router.offline import GenerationRequest, LocalRouter
+from router.scheduling.policy import Policy
 from services.errors import ModelLoadError
 from services.model import CausalLM
 from services.model_config import ModelConfig
 from services.types import SamplingParams
+from tests.conftest import make_engine
 
 D, H, HKV, DH, FF, V, LAYERS, TAPS, EPS, THETA = 64, 4, 2, 32, 96, 384, 8, (1, 3, 6), 1e-6, 1e6
 MASK, BLOCK, RANK, DRAFT_LAYERS = 360, 7, 16, 2
@@ -219,3 +222,16 @@ def test_an_unknown_format_is_refused_with_what_is_known(tmp_path, target):
     (tmp_path / "x" / "config.json").write_text(json.dumps({**TARGET_CONFIG, "architectures": ["MysteryDraft"]}))
     with pytest.raises(ModelLoadError, match=r"MysteryDraft.*Qwen3DSparkModel"):
         load_drafter(tmp_path / "x", target, "float32")
+
+
+@pytest.mark.parametrize("markov", [True, False], ids=["dspark", "dflash"])
+def test_greedy_with_a_deepspec_drafter_is_plain_greedy(tmp_path, target, markov):
+    write_deepspec(tmp_path / "d", target, markov)
+    model, _ = load_drafter(tmp_path / "d", target, "float32")
+    g = torch.Generator().manual_seed(9)
+    requests = [GenerationRequest(f"r{i}", torch.randint(4, 300, (n,), generator=g).tolist(),
+                                  SamplingParams(max_tokens=16)) for i, n in enumerate((5, 12))]
+    plain = LocalRouter(make_engine(target), policy=Policy.NONE).generate(requests)
+    spec = LocalRouter(make_engine(target), Drafter(model), Policy.FIXED, BLOCK).generate(requests)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert sum(r.draft_tokens for r in spec) > 0
