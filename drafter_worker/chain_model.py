@@ -24,7 +24,7 @@ class ChainDraftModel(DraftModelBase):
     def __init__(self, dcfg: DrafterConfig, cfg: ModelConfig):
         super().__init__(dcfg, cfg)
         self.context = ContextProjection(cfg, len(dcfg.tap_layers), norm=False)
-        self.layer = ChainLayer(cfg, mtp=dcfg.method is Method.MTP)
+        self.layer = ChainLayer(cfg, mtp=dcfg.method is Method.MTP, norm_before_residual=dcfg.norm_before_residual)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def project(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor):
@@ -41,7 +41,7 @@ class ChainDraftModel(DraftModelBase):
         return self.layer.finish(residual, self.layer.self_attn.attend(q, k, v, mask))
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(out))
+        return self.vocab_logits(self.norm(out))
 
     def unrolled(self, taps: torch.Tensor, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training-time test over whole sequences: taps [B, S, T*d], ids [B, S] → the row outputs [B, S, d]

@@ -8,6 +8,7 @@ and `calibration.json` when confidences were calibrated. Released formats of oth
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from drafter_worker.block_model import BlockDraftModel
 from drafter_worker.calibration import Calibration
 from drafter_worker.chain_model import ChainDraftModel
 from drafter_worker.config import DrafterConfig
-from drafter_worker.formats import deepspec, detect, read_config, read_tensors
+from drafter_worker.formats import deepspec, detect, eagle3, read_config, read_tensors
 from services.checkpoint import hf_config_dict
 from services.errors import ModelLoadError
 from services.loader import resolve_device, resolve_dtype
@@ -37,15 +38,22 @@ def build_draft_model(dcfg: DrafterConfig, target: CausalLM, cfg: ModelConfig | 
     model = cls(dcfg, cfg or target.config).to(device=target.device, dtype=target.dtype)
     model.embed_tokens.weight = torch.nn.Parameter(target.model.embed_tokens.weight.detach().clone(),
                                                    requires_grad=False)
-    model.lm_head.weight = torch.nn.Parameter(target.lm_head.weight.detach().clone(), requires_grad=False)
+    if not model.reduced_vocab:  # a reduced vocabulary has its own [Vd, d] head, loaded from the checkpoint
+        model.lm_head.weight = torch.nn.Parameter(target.lm_head.weight.detach().clone(), requires_grad=False)
     return model
+
+
+def shared_names(model: DraftModel) -> tuple[str, ...]:
+    """The tensors a drafter takes from its target instead of its checkpoint."""
+    return _SHARED[:1] if model.reduced_vocab else _SHARED
 
 
 def save_drafter(model: DraftModel, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
                  calibration: Calibration | None = None) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if k not in _SHARED}
+    state = {k: v.detach().to(v.dtype if k == "d2t" else dtype).contiguous() for k, v in model.state_dict().items()
+             if k not in shared_names(model)}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = hf_config_dict(model.config, dtype)
     config["num_hidden_layers"] = model.dconfig.num_layers
@@ -56,10 +64,18 @@ def save_drafter(model: DraftModel, out_dir: str | Path, dtype: torch.dtype = to
     return out
 
 
-def drafter_config(model_dir: str | Path, fmt: str = "auto") -> DrafterConfig:
+def drafter_config(model_dir: str | Path, fmt: str = "auto", target_layers: int | None = None,
+                   convention: str = "auto") -> DrafterConfig:
+    """The checkpoint's DrafterConfig. `target_layers`: the target's decoder layers (an EAGLE-3 head without
+    layer ids taps the engines' default ones); `convention`: how to read an EAGLE-3 head's layer ids."""
     raw, where = read_config(Path(model_dir)), str(model_dir)
-    if detect(raw, where, fmt) == "deepspec":
+    fmt = detect(raw, where, fmt)
+    if fmt == "deepspec":
         return deepspec.drafter_config(raw, where)
+    if fmt == "eagle3":
+        if target_layers is None:
+            raise ModelLoadError(f"{where}: reading an EAGLE-3 head's taps needs the target's layer count")
+        return eagle3.drafter_config(raw, where, target_layers, convention)
     if "dspark_drafter" not in raw:
         raise ModelLoadError(f"{model_dir}: not a drafter checkpoint (no dspark_drafter in config.json)")
     try:
@@ -69,14 +85,17 @@ def drafter_config(model_dir: str | Path, fmt: str = "auto") -> DrafterConfig:
 
 
 def load_drafter(name_or_dir: str | Path, target: CausalLM, dtype: str | torch.dtype = "auto",
-                 device: str | torch.device | None = "cpu", fmt: str = "auto"
+                 device: str | torch.device | None = "cpu", fmt: str = "auto", convention: str = "auto"
                  ) -> tuple[DraftModel, Calibration | None]:
     """Load a drafter for an already loaded `target` (whose embedding and LM head it shares)."""
     model_dir = resolve_model(name_or_dir)
     raw = read_config(model_dir)
     fmt = detect(raw, str(model_dir), fmt)
-    dcfg = drafter_config(model_dir, fmt)
-    cfg = draft_model_config(raw, model_dir)
+    dcfg = drafter_config(model_dir, fmt, target.config.num_hidden_layers, convention)
+    cfg = draft_model_config(raw, model_dir, fmt)
+    if fmt != "dspark":  # the draft's RoPE table as long as the target's (vLLM raises it too)
+        cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings,
+                                                                   target.config.max_position_embeddings))
     if (cfg.hidden_size, cfg.vocab_size) != (target.config.hidden_size, target.config.vocab_size):
         raise ModelLoadError(f"{model_dir}: drafter width/vocab {cfg.hidden_size}/{cfg.vocab_size} do not match "
                              f"the target's {target.config.hidden_size}/{target.config.vocab_size}")
@@ -85,7 +104,10 @@ def load_drafter(name_or_dir: str | Path, target: CausalLM, dtype: str | torch.d
     state = read_tensors(model_dir)
     if fmt == "deepspec":
         state = own_vocab_weights(deepspec.rename(state, str(model_dir)), target)
-    expected = set(model.state_dict()) - set(_SHARED) | (set(state) & set(_SHARED))
+    elif fmt == "eagle3":
+        state = own_vocab_weights(eagle3.rename(state, str(model_dir), target.config.vocab_size), target)
+    shared = set(shared_names(model))
+    expected = set(model.state_dict()) - shared | (set(state) & shared)
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
         raise ModelLoadError(f"{model_dir}: tensors missing {missing[:3]}, unexpected {extra[:3]}")
@@ -100,11 +122,14 @@ def load_drafter(name_or_dir: str | Path, target: CausalLM, dtype: str | torch.d
     return model.eval(), calibration
 
 
-def draft_model_config(raw: dict, model_dir: Path) -> ModelConfig:
+def draft_model_config(raw: dict, model_dir: Path, fmt: str) -> ModelConfig:
     """The draft's own layer shapes (head_dim, q/k norms, MLP width, RoPE) from its config.json; a foreign
-    format's architecture name stands for its model_type's decoder (DeepSpec's Qwen3DSparkModel: Qwen3)."""
-    if "dspark_drafter" in raw or not deepspec.matches(raw):
+    format's architecture name stands for its model_type's decoder (DeepSpec's Qwen3DSparkModel: Qwen3; an
+    EAGLE-3 head is a Llama layer whatever its target)."""
+    if fmt == "dspark":
         return ModelConfig.from_dir(model_dir)
+    if fmt == "eagle3":
+        return ModelConfig.from_dict({**raw, "architectures": ["LlamaForCausalLM"]})
     arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
         raw.get("model_type", ""))
     if arch is None:

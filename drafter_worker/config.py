@@ -41,6 +41,10 @@ class DrafterConfig:
     head: HeadType | None = None  # dspark only
     markov_rank: int = 0
     confidence_head: bool = False
+    # Drafting over a reduced vocabulary (EAGLE-3's d2t): the drafter's own LM head has this many rows, and
+    # draft id i is target id i + d2t[i]; None: the target's vocabulary and LM head.
+    draft_vocab_size: int | None = None
+    norm_before_residual: bool = False  # EAGLE-3 (vLLM speculators): residual = hidden_norm(hidden)
 
     def __post_init__(self) -> None:
         self.method = Method(self.method)
@@ -60,6 +64,10 @@ class DrafterConfig:
             raise ValueError("the sequential head needs markov_rank >= 1")
         if self.confidence_head and self.method is not Method.DSPARK:
             raise ValueError("only dspark has a confidence head")
+        if self.draft_vocab_size is not None and self.method is not Method.EAGLE3:
+            raise ValueError("a reduced draft vocabulary is implemented for eagle3 drafters only")
+        if self.norm_before_residual and self.method is not Method.EAGLE3:
+            raise ValueError("norm_before_residual is an eagle3 option")
 
     def to_dict(self) -> dict:
         out = asdict(self)

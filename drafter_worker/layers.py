@@ -103,10 +103,10 @@ class ChainLayer(nn.Module):
     """EAGLE-3: attention over [RMSNorm(emb); RMSNorm(hidden)] (2d wide), residual on the hidden.
     MTP: proj([RMSNorm(hidden); RMSNorm(emb)]) → an ordinary pre-norm decoder layer."""
 
-    def __init__(self, cfg: ModelConfig, mtp: bool):
+    def __init__(self, cfg: ModelConfig, mtp: bool, norm_before_residual: bool = False):
         super().__init__()
         d = cfg.hidden_size
-        self.mtp = mtp
+        self.mtp, self.norm_before_residual = mtp, norm_before_residual
         self.embed_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
         if mtp:
@@ -121,7 +121,8 @@ class ChainLayer(nn.Module):
         if self.mtp:
             x = self.proj(torch.cat([self.hidden_norm(hidden), self.embed_norm(emb)], dim=-1))
             return x, self.input_layernorm(x)
-        return hidden, torch.cat([self.embed_norm(emb), self.hidden_norm(hidden)], dim=-1)
+        normed = self.hidden_norm(hidden)
+        return normed if self.norm_before_residual else hidden, torch.cat([self.embed_norm(emb), normed], dim=-1)
 
     def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         x = residual + attn_out

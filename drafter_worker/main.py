@@ -19,6 +19,7 @@ from protos.tier import RunningTier, open_board, role_tracer, set_threads, start
 from services.batching import compute_thread
 from services.errors import InvalidRequestError
 from services.loader import load_model
+from services.model_config import ModelConfig
 from services.registry import list_models, resolve_model
 from services.tls import read_tls
 
@@ -27,7 +28,9 @@ def drafter_service(s: DrafterSettings) -> DrafterService:
     names = s.drafters or [e.name for e in list_models() if e.target == Path(s.model).name]
     if not names:
         raise InvalidRequestError(f"no drafters given and none shipped for {s.model}")
-    configs = {name: drafter_config(resolve_model(name), s.drafter_format) for name in names}
+    layers = ModelConfig.from_dir(resolve_model(s.model)).num_hidden_layers
+    configs = {name: drafter_config(resolve_model(name), s.drafter_format, layers, s.eagle_aux_layer_convention)
+               for name in names}
     taps = {c.tap_layers for c in configs.values()}
     if len(taps) != 1:
         raise InvalidRequestError(f"drafters of one replica must share tap layers, got {sorted(taps)}")
@@ -38,7 +41,8 @@ def drafter_service(s: DrafterSettings) -> DrafterService:
         method = str(cfg.method)
         if method in proposers:
             raise InvalidRequestError(f"two {method} drafters given; a replica hosts one per method")
-        model, calibration = load_drafter(name, target, s.dtype, device, s.drafter_format)
+        model, calibration = load_drafter(name, target, s.dtype, device, s.drafter_format,
+                                          s.eagle_aux_layer_convention)
         proposers[method], block_sizes[method] = Drafter(model, calibration, s.max_q, s.seed, s.compile), cfg.block_size
     order = sorted(proposers, key=lambda m: m != "dspark")  # dspark first: the default method
     return DrafterService({m: proposers[m] for m in order}, block_sizes, s.batch_window_ms / 1000, lease_s=s.lease_s)

@@ -17,8 +17,11 @@ class DrafterSettings(GrpcServerSettings):
     dtype: str = "auto"
     device: str = "auto"
     threads: int = Field(0, ge=0)
-    drafter_format: Literal["auto", "dspark", "deepspec"] = Field(
+    drafter_format: Literal["auto", "dspark", "deepspec", "eagle3"] = Field(
         "auto", description="checkpoint format of the drafters (auto: from each config.json)")
+    eagle_aux_layer_convention: Literal["auto", "output", "input"] = Field(
+        "auto", description="an EAGLE-3 head's layer ids: output of layer k (SpecForge/SGLang), input to layer k "
+        "(vLLM), or auto (nested eagle_config ids: output; top-level ids and the default: input)")
     max_q: int = Field(64, ge=1, description="support size K of the sparse draft distribution q'")
     compile: bool = Field(False, description="torch.compile the greedy blocks of block drafters")
     lease_s: float = Field(60.0, gt=0, description="free a draft context no stream has carried for this long")

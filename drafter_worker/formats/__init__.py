@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from drafter_worker.formats import deepspec
+from drafter_worker.formats import deepspec, eagle3
 from services.errors import ModelLoadError
 
-FORMATS = ("dspark", "deepspec")
+FORMATS = ("dspark", "deepspec", "eagle3")
 
 
 def read_config(model_dir: Path) -> dict:
@@ -31,7 +31,8 @@ def read_config(model_dir: Path) -> dict:
 
 def detect(raw: dict, where: str, forced: str = "auto") -> str:
     """The checkpoint's format: `forced` when given (and plausible), else from its config."""
-    found = "dspark" if "dspark_drafter" in raw else "deepspec" if deepspec.matches(raw) else None
+    found = next((name for name, test in (("dspark", lambda r: "dspark_drafter" in r), ("deepspec", deepspec.matches),
+                                          ("eagle3", eagle3.matches)) if test(raw)), None)
     if forced != "auto":
         if forced not in FORMATS:
             raise ModelLoadError(f"unknown drafter format {forced!r} (known: {', '.join(FORMATS)})")
@@ -39,7 +40,8 @@ def detect(raw: dict, where: str, forced: str = "auto") -> str:
     if found is None:
         raise ModelLoadError(f"{where}: not a drafter checkpoint of a known format (architectures "
                              f"{raw.get('architectures')}; known: dspark's own config with dspark_drafter, "
-                             f"DeepSpec {', '.join(deepspec.ARCHITECTURES)})")
+                             f"DeepSpec {', '.join(deepspec.ARCHITECTURES)}, EAGLE-3 "
+                             f"{', '.join(eagle3.ARCHITECTURES)})")
     return found
 
 
