@@ -128,12 +128,12 @@ def draft_model_config(raw: dict, model_dir: Path, fmt: str) -> ModelConfig:
     EAGLE-3 head is a Llama layer whatever its target)."""
     if fmt == "dspark":
         return ModelConfig.from_dir(model_dir)
-    if fmt == "eagle3":
+    if fmt == "eagle3" and not eagle3.is_deepspec(raw):
         return ModelConfig.from_dict({**raw, "architectures": ["LlamaForCausalLM"]})
     arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
         raw.get("model_type", ""))
     if arch is None:
-        raise ModelLoadError(f"{model_dir}: model_type {raw.get('model_type')!r} of a DeepSpec drafter is not loaded")
+        raise ModelLoadError(f"{model_dir}: model_type {raw.get('model_type')!r} of a {fmt} drafter is not loaded")
     return ModelConfig.from_dict({**raw, "architectures": [arch]})
 
 

@@ -23,7 +23,7 @@ from services.model import CausalLM
 from services.sampling import logits_to_probs
 from services.types import SamplingParams
 from tests.conftest import full_forward, make_engine
-from tests.draft_formats import DH, HKV, LAYERS, TAPS, D, H, V, norm_weight, rms, rope, tiny_target
+from tests.draft_formats import DH, HKV, LAYERS, TAPS, TARGET_CONFIG, D, H, V, norm_weight, rms, rope, tiny_target
 
 VD, FF_DRAFT, DRAFT_THETA, STEPS = 100, 80, 10000.0, 4
 
@@ -77,10 +77,15 @@ def write_eagle3(path, ids_key="nested", **overrides) -> dict[str, torch.Tensor]
     return tensors
 
 
-def reference_chain(t, embed, taps, ids, norm_before_residual=False):
+def reference_chain(t, embed, taps, ids, norm_before_residual=False, qk_norm=False):
     """Greedy drafts of a SpecForge EAGLE-3 head: rows (fc(taps_j), emb(ids[j+1])) at position j, causal; then
     draft rows (own pre-norm output, emb(x_k)) → tokens and peaks (max q over the target vocabulary)."""
-    hot = torch.arange(VD) + t["d2t"]
+    hot = torch.arange(len(t["d2t"])) + t["d2t"]
+    theta = TARGET_CONFIG["rope_theta"] if qk_norm else DRAFT_THETA  # DeepSpec's config is the target's
+
+    def heads(m, n, norm):
+        m = m.unflatten(-1, (n, DH))
+        return rms(m, t[f"midlayer.self_attn.{norm}.weight"]) if qk_norm else m
     keys, values = [], []
 
     def rows(hidden, tokens, positions):
@@ -89,8 +94,8 @@ def reference_chain(t, embed, taps, ids, norm_before_residual=False):
         residual = hn if norm_before_residual else hidden
         x = torch.cat([rms(e, t["midlayer.input_layernorm.weight"]), hn], -1)  # [n, 2d]
         pos = torch.tensor(positions)
-        q = rope((x @ t["midlayer.self_attn.q_proj.weight"].T).unflatten(-1, (H, DH)), pos, DRAFT_THETA)
-        keys.append(rope((x @ t["midlayer.self_attn.k_proj.weight"].T).unflatten(-1, (HKV, DH)), pos, DRAFT_THETA))
+        q = rope(heads(x @ t["midlayer.self_attn.q_proj.weight"].T, H, "q_norm"), pos, theta)
+        keys.append(rope(heads(x @ t["midlayer.self_attn.k_proj.weight"].T, HKV, "k_norm"), pos, theta))
         values.append((x @ t["midlayer.self_attn.v_proj.weight"].T).unflatten(-1, (HKV, DH)))
         k, v = (torch.cat(c).repeat_interleave(H // HKV, 1) for c in (keys, values))
         first = k.shape[0] - len(positions)
@@ -221,3 +226,36 @@ def test_sampling_with_a_reduced_vocabulary_head_keeps_the_target_distribution(t
         if expected[~keep].sum() > 0:  # the sparse cells, pooled
             obs, exp = [*obs, float(counts[~keep].sum())], [*exp, float(expected[~keep].sum() * n)]
         assert chisquare(obs, [e * sum(obs) / sum(exp) for e in exp]).pvalue > 1e-3
+
+
+def test_deepspec_eagle3_with_qk_norms_and_five_taps_matches_its_reference(tmp_path, target):
+    """DeepSpec's Qwen3Eagle3Model: layers.0.* names, q/k norms, full vocabulary, shipped embedding/head copies."""
+    g = torch.Generator().manual_seed(4)
+    t = {k.replace("midlayer.", "layers.0."): v for k, v in eagle3_tensors().items() if k not in ("d2t", "t2d")}
+    taps5 = (0, 1, 3, 5, 6)
+    t |= {"fc.weight": 0.3 * torch.randn(D, 5 * D, generator=g) / math.sqrt(5),
+          "lm_head.weight": target.lm_head.weight.detach().clone(),
+          "embed_tokens.weight": target.model.embed_tokens.weight.detach().clone(),
+          "layers.0.self_attn.q_norm.weight": norm_weight(g, DH),
+          "layers.0.self_attn.k_norm.weight": norm_weight(g, DH)}
+    ff = TARGET_CONFIG["intermediate_size"]  # the target's MLP width: its config is the target's
+    for name in ("gate_proj", "up_proj"):
+        t[f"layers.0.mlp.{name}.weight"] = 0.3 * torch.randn(ff, D, generator=g)
+    t["layers.0.mlp.down_proj.weight"] = 0.3 * torch.randn(D, ff, generator=g)
+    (tmp_path / "e").mkdir()
+    save_file(t, str(tmp_path / "e" / "model.safetensors"))
+    config = {**TARGET_CONFIG, "architectures": ["Qwen3Eagle3Model"], "num_hidden_layers": 1,
+              "draft_num_hidden_layers": 1, "num_target_layers": LAYERS, "target_layer_ids": list(taps5),
+              "ttt_length": 7, "step_loss_decay": 0.8, "layer_types": ["full_attention"]}
+    (tmp_path / "e" / "config.json").write_text(json.dumps(config))
+    model, _ = load_drafter(tmp_path / "e", target, "float32")
+    assert drafter_config(tmp_path / "e", "auto", LAYERS).tap_layers == taps5 and model.config.qk_norm
+    gen = torch.Generator().manual_seed(5)
+    taps = torch.randn(11, 5 * D, generator=gen)
+    ids = torch.randint(4, 300, (12,), generator=gen).tolist()
+    block = first_block(model, taps, ids)
+    ref = {k.replace("layers.0.", "midlayer."): v for k, v in t.items()}
+    ref |= {"d2t": torch.zeros(V, dtype=torch.long)}  # the full vocabulary: the identity map
+    tokens, peaks = reference_chain(ref, target.model.embed_tokens.weight.detach(), taps, ids, qk_norm=True)
+    assert block.tokens == tokens
+    torch.testing.assert_close(torch.tensor(block.peaks), torch.tensor(peaks), atol=1e-5, rtol=1e-5)

@@ -13,6 +13,10 @@ Tap ids: SGLang adds 1 to SpecForge's ids, so they mean "output of decoder layer
 taken as is); vLLM's top-level ids mean "input to layer k" (tap = k − 1); none given: the engines' default
 (2, L/2, L−3) as inputs, i.e. taps (1, L/2 − 1, L − 4). The config cannot tell a vLLM-trained head from a
 SGLang-trained one for sure, so `convention` overrides (auto | output | input).
+
+DeepSpec's own EAGLE-3 (`deepseek-ai/eagle3_qwen3_*_ttt7`, `Qwen3Eagle3Model`, §2.6) is the same layer with
+`layers.0.*` names, q/k norms (its config is the target's Qwen3 config), five `target_layer_ids` in
+DeepSpec's output-of-layer meaning, the full vocabulary, and frozen copies of the embedding and LM head.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import torch
 from drafter_worker.config import DrafterConfig, Method
 from services.errors import ModelLoadError
 
-ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+SPECFORGE = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+DEEPSPEC = ("Qwen3Eagle3Model",)
+ARCHITECTURES = SPECFORGE + DEEPSPEC
 CONVENTIONS = ("auto", "output", "input")
 _LAYER = {"input_layernorm": "embed_norm", "hidden_norm": "hidden_norm",
           "post_attention_layernorm": "post_attention_layernorm"}
@@ -32,12 +38,20 @@ def matches(raw: dict) -> bool:
     return (raw.get("architectures") or [None])[0] in ARCHITECTURES
 
 
+def is_deepspec(raw: dict) -> bool:
+    return (raw.get("architectures") or [None])[0] in DEEPSPEC
+
+
 def tap_layers(raw: dict, target_layers: int, convention: str, where: str) -> tuple[int, ...]:
     if convention not in CONVENTIONS:
         raise ModelLoadError(f"unknown layer-id convention {convention!r} (known: {', '.join(CONVENTIONS)})")
     nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     top = raw.get("eagle_aux_hidden_state_layer_ids")
-    if nested is None and top is None:
+    if is_deepspec(raw):
+        if "target_layer_ids" not in raw:
+            raise ModelLoadError(f"{where}: DeepSpec config.json lacks target_layer_ids")
+        ids, meaning = raw["target_layer_ids"], "output"
+    elif nested is None and top is None:
         ids, meaning = [2, target_layers // 2, target_layers - 3], "input"
     else:
         ids, meaning = (nested, "output") if nested is not None else (top, "input")
