@@ -13,6 +13,8 @@ from rich.table import Table
 
 from cli.bench import add_parser as add_bench_parser
 from cli.bench import run_bench
+from cli.convert import add_parser as add_convert_parser
+from cli.convert import run_convert
 from cli.drafters import (
     add_cache_parser,
     add_eval_parsers,
@@ -51,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parsers(sub)
     add_top_parser(sub)
+    add_convert_parser(sub)
     add_scale_parsers(sub)
     add_bench_parser(sub)
     add_simulate_parser(sub)
@@ -246,7 +249,7 @@ _COMMANDS = {
     "generate": _generate, "profile": _profile, "data": _data, "train": _train, "models": _models,
     "make-tiny-model": _make_tiny, "calibrate": run_calibrate, "eval": run_eval,
     "serve": run_serve, "top": run_top, "scale": run_scale, "pools": run_scale, "bench": run_bench,
-    "simulate": run_simulate,
+    "simulate": run_simulate, "convert-drafter": run_convert,
     "verifier": run_role, "drafter": run_role, "router": run_role,
 }
 
