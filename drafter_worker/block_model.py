@@ -1,8 +1,10 @@
 """DFlash and DSpark draft models: one parallel forward over [anchor, MASK × (γ−1)].
 
 Slot k (0-based) at position anchor_pos + k predicts the token at anchor_pos + k + 1 (shifted layout: the
-anchor slot predicts the first draft). The block attends to the injected context of positions strictly
-before the anchor, whose target features exist, and bidirectionally to itself.
+anchor slot predicts the first draft). The fill-in layout of z-lab's DFlash runs [anchor, MASK × γ] instead
+and takes slots 1..γ, each predicting its own position; the rest is the same. The block attends to the
+injected context of positions strictly before the anchor, whose target features exist, and bidirectionally
+to itself.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ class BlockDraftModel(DraftModelBase):
         ctx_mask: torch.Tensor,  # [A, S] bool, context positions visible to each block (< anchor)
         gamma: int,
     ) -> torch.Tensor:
-        """→ h [A, γ, d], the final-normed state of every slot."""
+        """→ h [A, γ, d], the final-normed state of every slot that predicts a draft."""
+        fill_in = self.dconfig.layout == "fill_in"
+        gamma += fill_in  # fill-in: the anchor's slot predicts nothing
         slots = torch.full((anchors.shape[0], gamma), self.dconfig.mask_token_id, dtype=torch.long,
                            device=anchors.device)
         slots[:, 0] = anchors  # [A, γ]: anchor, MASK, ..., MASK
@@ -54,7 +58,7 @@ class BlockDraftModel(DraftModelBase):
         rope = self.rotary().gather(positions, x.dtype)  # [A, γ, 1, Dh]
         for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
             x = layer(x, rope, k, v, ctx_mask)
-        return self.norm(x)
+        return self.norm(x[:, 1:] if fill_in else x)
 
     def block_start(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv: ContextKV, ctx_mask: torch.Tensor,
                     gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -19,7 +19,7 @@ from drafter_worker.block_model import BlockDraftModel
 from drafter_worker.calibration import Calibration
 from drafter_worker.chain_model import ChainDraftModel
 from drafter_worker.config import DrafterConfig
-from drafter_worker.formats import deepspec, detect, eagle3, read_config, read_tensors
+from drafter_worker.formats import deepspec, detect, dflash, eagle3, read_config, read_tensors
 from services.checkpoint import hf_config_dict
 from services.errors import ModelLoadError
 from services.loader import resolve_device, resolve_dtype
@@ -72,10 +72,12 @@ def drafter_config(model_dir: str | Path, fmt: str = "auto", target_layers: int 
     fmt = detect(raw, where, fmt)
     if fmt == "deepspec":
         return deepspec.drafter_config(raw, where)
+    if fmt in ("eagle3", "dflash") and target_layers is None:
+        raise ModelLoadError(f"{where}: reading this drafter's default taps needs the target's layer count")
     if fmt == "eagle3":
-        if target_layers is None:
-            raise ModelLoadError(f"{where}: reading an EAGLE-3 head's taps needs the target's layer count")
         return eagle3.drafter_config(raw, where, target_layers, convention)
+    if fmt == "dflash":
+        return dflash.drafter_config(raw, where, target_layers)
     if "dspark_drafter" not in raw:
         raise ModelLoadError(f"{model_dir}: not a drafter checkpoint (no dspark_drafter in config.json)")
     try:
@@ -106,6 +108,8 @@ def load_drafter(name_or_dir: str | Path, target: CausalLM, dtype: str | torch.d
         state = own_vocab_weights(deepspec.rename(state, str(model_dir)), target)
     elif fmt == "eagle3":
         state = own_vocab_weights(eagle3.rename(state, str(model_dir), target.config.vocab_size), target)
+    elif fmt == "dflash":
+        state = dflash.rename(state, str(model_dir))
     shared = set(shared_names(model))
     expected = set(model.state_dict()) - shared | (set(state) & shared)
     if set(state) != expected:

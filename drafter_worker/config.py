@@ -45,6 +45,9 @@ class DrafterConfig:
     # draft id i is target id i + d2t[i]; None: the target's vocabulary and LM head.
     draft_vocab_size: int | None = None
     norm_before_residual: bool = False  # EAGLE-3 (vLLM speculators): residual = hidden_norm(hidden)
+    # Block drafters: "anchor" — slot k of [anchor, MASK…] predicts the next position (DeepSpec, dspark);
+    # "fill_in" — the γ MASK slots after the anchor each predict their own position (z-lab DFlash).
+    layout: str = "anchor"
 
     def __post_init__(self) -> None:
         self.method = Method(self.method)
@@ -68,6 +71,8 @@ class DrafterConfig:
             raise ValueError("a reduced draft vocabulary is implemented for eagle3 drafters only")
         if self.norm_before_residual and self.method is not Method.EAGLE3:
             raise ValueError("norm_before_residual is an eagle3 option")
+        if self.layout not in ("anchor", "fill_in") or (self.layout == "fill_in" and not self.method.is_block):
+            raise ValueError(f"layout {self.layout!r}: anchor, or fill_in for block drafters")
 
     def to_dict(self) -> dict:
         out = asdict(self)

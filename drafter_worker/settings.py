@@ -17,7 +17,7 @@ class DrafterSettings(GrpcServerSettings):
     dtype: str = "auto"
     device: str = "auto"
     threads: int = Field(0, ge=0)
-    drafter_format: Literal["auto", "dspark", "deepspec", "eagle3"] = Field(
+    drafter_format: Literal["auto", "dspark", "deepspec", "eagle3", "dflash"] = Field(
         "auto", description="checkpoint format of the drafters (auto: from each config.json)")
     eagle_aux_layer_convention: Literal["auto", "output", "input"] = Field(
         "auto", description="an EAGLE-3 head's layer ids: output of layer k (SpecForge/SGLang), input to layer k "

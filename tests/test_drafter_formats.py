@@ -97,13 +97,13 @@ def write_deepspec(path, target, markov=True, shards=1, **config_overrides):
 
 
 # ---- the reference, from the format's equations (checkpoint-formats.md §2.4) ------------------------------
-def reference_block(t, taps, anchor, markov=True):
+def reference_block(t, taps, anchor, markov=True, fill_in=False):
     """Greedy DSpark/DFlash block from context features taps [P, T·d] (positions 0..P−1) and the anchor at P
-    → tokens [γ], peaks [γ], confidences [γ]."""
-    p = taps.shape[0]
+    → tokens [γ], peaks [γ], confidences [γ]. Fill-in layout: [anchor, MASK × γ], drafts from slots 1..γ."""
+    p, slots = taps.shape[0], BLOCK + fill_in
     ctx = rms(taps @ t["fc.weight"].T, t["hidden_norm.weight"])  # [P, d]
-    x = t["embed_tokens.weight"][torch.tensor([anchor] + [MASK] * (BLOCK - 1))]  # [γ, d]
-    cpos, bpos = torch.arange(p), torch.arange(p, p + BLOCK)
+    x = t["embed_tokens.weight"][torch.tensor([anchor] + [MASK] * (slots - 1))]  # [slots, d]
+    cpos, bpos = torch.arange(p), torch.arange(p, p + slots)
     for i in range(DRAFT_LAYERS):
         w = {k.split(f"layers.{i}.", 1)[1]: v for k, v in t.items() if k.startswith(f"layers.{i}.")}
         h = rms(x, w["input_layernorm.weight"])
@@ -123,7 +123,7 @@ def reference_block(t, taps, anchor, markov=True):
         m = rms(x, w["post_attention_layernorm.weight"])
         gate, up = F.silu(m @ w["mlp.gate_proj.weight"].T), m @ w["mlp.up_proj.weight"].T
         x = x + (gate * up) @ w["mlp.down_proj.weight"].T
-    out = rms(x, t["norm.weight"])
+    out = rms(x, t["norm.weight"])[1:] if fill_in else rms(x, t["norm.weight"])
     base = out @ t["lm_head.weight"].T  # U [γ, V]
     prev, tokens, peaks, conf = anchor, [], [], []
     for k in range(BLOCK):

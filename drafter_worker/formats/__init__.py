@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from drafter_worker.formats import deepspec, eagle3
+from drafter_worker.formats import deepspec, dflash, eagle3
 from services.errors import ModelLoadError
 
-FORMATS = ("dspark", "deepspec", "eagle3")
+FORMATS = ("dspark", "deepspec", "eagle3", "dflash")
 
 
 def read_config(model_dir: Path) -> dict:
@@ -32,7 +32,8 @@ def read_config(model_dir: Path) -> dict:
 def detect(raw: dict, where: str, forced: str = "auto") -> str:
     """The checkpoint's format: `forced` when given (and plausible), else from its config."""
     found = next((name for name, test in (("dspark", lambda r: "dspark_drafter" in r), ("deepspec", deepspec.matches),
-                                          ("eagle3", eagle3.matches)) if test(raw)), None)
+                                          ("eagle3", eagle3.matches), ("dflash", dflash.matches)) if test(raw)),
+                 None)
     if forced != "auto":
         if forced not in FORMATS:
             raise ModelLoadError(f"unknown drafter format {forced!r} (known: {', '.join(FORMATS)})")
@@ -41,7 +42,7 @@ def detect(raw: dict, where: str, forced: str = "auto") -> str:
         raise ModelLoadError(f"{where}: not a drafter checkpoint of a known format (architectures "
                              f"{raw.get('architectures')}; known: dspark's own config with dspark_drafter, "
                              f"DeepSpec {', '.join(deepspec.ARCHITECTURES)}, EAGLE-3 "
-                             f"{', '.join(eagle3.ARCHITECTURES)})")
+                             f"{', '.join(eagle3.ARCHITECTURES)}, z-lab/SpecForge {', '.join(dflash.ARCHITECTURES)})")
     return found
 
 
