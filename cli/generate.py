@@ -18,6 +18,7 @@ from router.scheduling.policy import Policy
 from services.chat_template import render
 from services.errors import InvalidRequestError
 from services.loader import load_model
+from services.model_config import ModelConfig
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
 from services.types import SamplingParams
@@ -64,7 +65,7 @@ def run_generate(args: argparse.Namespace) -> int:
     tokenizer = TextTokenizer.from_dir(model_dir)
     proposer, taps = None, ()
     if args.method not in ("none", "ngram"):
-        dcfg = drafter_config(resolve_model(args.drafter))
+        dcfg = drafter_config(resolve_model(args.drafter), "auto", ModelConfig.from_dir(model_dir).num_hidden_layers)
         if dcfg.method != args.method:
             raise InvalidRequestError(f"{args.drafter} is a {dcfg.method} drafter, not {args.method}")
         taps = dcfg.tap_layers

@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
+from drafter_worker.formats import declared_method, read_config
 from services.errors import ModelLoadError
 from services.registry import resolve_model
 from services.settings import Settings
@@ -192,14 +193,10 @@ def checkpoint_method(model: str | None) -> str | None:
     if model is None:
         return None
     try:
-        raw = json.loads((Path(resolve_model(model)) / "config.json").read_text())
-    except (OSError, ValueError, ModelLoadError) as error:
-        raise ValueError(f"speculative model {model!r}: no readable config.json ({error})") from None
-    method = raw.get("dspark_drafter", {}).get("method")
-    if method is None:
-        raise ValueError(f"speculative model {model!r} is not a drafter checkpoint this version loads "
-                         "(no dspark_drafter section in its config.json)")
-    return method
+        directory = Path(resolve_model(model))
+        return declared_method(read_config(directory), str(directory))
+    except ModelLoadError as error:  # not found, no config.json, or no format this version loads
+        raise ValueError(f"speculative model {model!r}: {error}") from None
 
 
 def apply(spec: Speculative, router: dict, drafter: dict) -> None:

@@ -96,3 +96,16 @@ def test_the_yaml_takes_the_same_names_and_flags_replace_them(tmp_path):
     path.write_text("speculative_algorithm: DSPARK\nspeculative_colour: blue\n")
     with pytest.raises(InvalidRequestError, match="speculative_colour"):
         serve(config=path)
+
+
+def test_a_released_checkpoint_declares_its_method_by_format(tmp_path):
+    """vLLM's #49614 trap: DeepSpec's DFlash is a Qwen3DSparkModel with markov_rank 0; it is a dflash drafter."""
+    for name, raw, method in (("ds", {"architectures": ["Qwen3DSparkModel"], "markov_rank": 0}, "dflash"),
+                              ("dsm", {"architectures": ["Qwen3DSparkModel"], "markov_rank": 256}, "dspark"),
+                              ("e3", {"architectures": ["LlamaForCausalLMEagle3"]}, "eagle3"),
+                              ("zl", {"architectures": ["DFlashDraftModel"]}, "dflash")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(raw))
+        assert vllm({"model": str(tmp_path / name)}).router.method == method
+    with pytest.raises(InvalidRequestError, match="is a dflash drafter, not dspark"):
+        vllm({"method": "dspark", "model": str(tmp_path / "ds")})

@@ -46,6 +46,18 @@ def detect(raw: dict, where: str, forced: str = "auto") -> str:
     return found
 
 
+def declared_method(raw: dict, where: str, forced: str = "auto") -> str:
+    """The method a checkpoint of any known format drafts with (no target needed)."""
+    fmt = detect(raw, where, forced)
+    if fmt == "dspark":
+        return str(raw.get("dspark_drafter", {}).get("method"))
+    if fmt == "eagle3":
+        return "eagle3"
+    if fmt == "deepspec":
+        return "dspark" if int(raw.get("markov_rank", 0)) > 0 else "dflash"
+    return "dspark" if raw["architectures"][0] == "DSparkDraftModel" else "dflash"
+
+
 def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     """`model.safetensors`, or the shards a `model.safetensors.index.json` lists."""
     model_dir = Path(model_dir)
