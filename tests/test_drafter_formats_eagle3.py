@@ -259,3 +259,22 @@ def test_deepspec_eagle3_with_qk_norms_and_five_taps_matches_its_reference(tmp_p
     tokens, peaks = reference_chain(ref, target.model.embed_tokens.weight.detach(), taps, ids, qk_norm=True)
     assert block.tokens == tokens
     torch.testing.assert_close(torch.tensor(block.peaks), torch.tensor(peaks), atol=1e-5, rtol=1e-5)
+
+
+def test_a_frequency_ranked_draft_vocabulary_keeps_the_full_heads_logits_on_its_tokens(target):
+    """dspark's own EAGLE-3 drafters can draft over the Vd most frequent tokens (training/draft_vocab.py)."""
+    from drafter_worker.checkpoint import build_draft_model
+    from drafter_worker.config import DrafterConfig
+    from training.draft_vocab import frequency_d2t, reduce_vocab
+
+    full = build_draft_model(DrafterConfig("eagle3", "t", TAPS), target).eval()
+    counts = torch.rand(V, generator=torch.Generator().manual_seed(1))
+    d2t = frequency_d2t(counts, VD)
+    hot = torch.arange(VD) + d2t
+    assert set(hot.tolist()) == set(counts.topk(VD).indices.tolist())
+    reduced = reduce_vocab(full, d2t)
+    x = torch.randn(3, D)
+    with torch.no_grad():
+        a, b = full.logits(x), reduced.logits(x)
+    torch.testing.assert_close(b[:, hot], a[:, hot])
+    assert bool(torch.isinf(b).sum(-1).eq(V - VD).all())
