@@ -43,9 +43,22 @@ def settings(namespace: str, **pools) -> ServeSettings:
                   "drafter": {**node, "resources": {"drafter_node": 1}, **pools.get("drafter", {})}}})
 
 
+def head_cluster() -> Cluster:
+    """A local cluster's head node. Ray gives a node a fixed 30 s to register; the first start on a fresh
+    machine (cold page cache for the raylet and GCS binaries) has missed it, so a second try is allowed
+    (the first try's processes are reaped with this process)."""
+    for attempt in range(3):
+        try:
+            return Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+        except Exception as error:  # ray raises a bare Exception for this
+            if attempt == 2 or "timed out during startup" not in str(error):
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    c = head_cluster()
     drafter_node = c.add_node(num_cpus=2, resources={"drafter_node": 4})
     verifier_node = c.add_node(num_cpus=2, resources={"verifier_node": 4})
     c.wait_for_nodes()
