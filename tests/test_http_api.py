@@ -148,3 +148,56 @@ def test_health_is_503_when_a_tier_is_down(tiers):
     with api_server(settings) as (url, _):
         r = httpx.get(url + "/health")
     assert r.status_code == 503 and r.json()["tiers"] == {"verifier": True, "drafter": False}
+
+
+def test_what_benchmark_clients_send_is_understood(api, client, tokenizer):
+    """Chat content as text parts and the developer role (vLLM's chat benchmark, guidellm), a tool message, a
+    stream without keep-alive comments (SGLang's bench_serving parses them as JSON), and vLLM's model card."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12 + 30?"}]
+    as_string = client.chat.completions.create(model=TARGET, messages=messages, max_tokens=12, temperature=0)
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "What is 12 + 30?"}]}]
+    as_parts = client.chat.completions.create(model=TARGET, messages=parts, max_tokens=12, temperature=0)
+    assert as_parts.choices[0].message.content == as_string.choices[0].message.content
+    tool = [*messages, {"role": "assistant", "content": "42"}, {"role": "tool", "content": "checked: 42"}]
+    assert client.chat.completions.create(model=TARGET, messages=tool, max_tokens=4).choices[0].message.content
+    url, headers = api[0], {"Authorization": f"Bearer {KEY}"}
+    card = httpx.get(url + "/v1/models", headers=headers).json()["data"][0]
+    assert card["root"] == TARGET and card["parent"] is None and card["max_model_len"] == 512
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"min_tokens": 4}, "min_tokens"), ({"logit_bias": {"5": 3}}, "logit_bias"), ({"min_p": 0.1}, "min_p"),
+    ({"best_of": 2}, "best_of"), ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"), ({"echo": True}, "echo"),
+])
+def test_sampling_fields_not_served_are_refused_by_name_and_their_noop_values_accepted(api, extra, field):
+    url, headers = api[0], {"Authorization": f"Bearer {KEY}"}
+    body = {"model": TARGET, "prompt": "import os\n", "max_tokens": 4, **extra}
+    bad = httpx.post(url + "/v1/completions", json=body, headers=headers)
+    assert bad.status_code == 400 and field in bad.json()["error"]["message"]
+    noop = {"frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "logit_bias": {}, "min_p": 0.0,
+            "best_of": 1, "include_stop_str_in_output": False, "skip_special_tokens": True, "echo": False}[field]
+    assert httpx.post(url + "/v1/completions", json={**body, field: noop}, headers=headers).status_code == 200
+
+
+def test_a_content_part_that_is_not_text_is_refused(api):
+    url, headers = api[0], {"Authorization": f"Bearer {KEY}"}
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    bad = httpx.post(url + "/v1/chat/completions", json={"model": TARGET, "messages": image}, headers=headers)
+    assert bad.status_code == 400 and "image_url" in bad.json()["error"]["message"]
+
+
+def test_keepalive_comments_are_off_by_default_and_come_when_configured(tiers):
+    """SGLang's bench_serving, vLLM's older benchmark_serving and llmperf parse `: ping` as JSON."""
+    assert RouterSettings().sse_keepalive_s == 0
+    body = {"model": TARGET, "prompt": "import os\n", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    seen = {}
+    for interval in (0.0, 0.01):
+        settings = RouterSettings(verifier=tiers[0], drafter=tiers[1], max_model_len=512, sse_keepalive_s=interval)
+        with api_server(settings) as (url, _), httpx.stream("POST", url + "/v1/completions", json=body) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        seen[interval] = sum(line.startswith(":") for line in lines)
+    assert seen[0.0] == 0 and seen[0.01] > 0

@@ -57,6 +57,9 @@ class ApiConfig:
     max_model_len: int
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 2**20  # the largest request body read; larger ones get 413 unread
+    # SSE keep-alive comments every this many seconds (0: none). Off by default: several benchmark clients
+    # (SGLang's bench_serving, vLLM's older benchmark_serving, llmperf) parse a `: ping` comment as JSON.
+    keepalive_s: float = 0.0
 
 
 async def _read_capped(receive, cap: int, declared: str | None) -> list[dict] | None:
@@ -135,7 +138,7 @@ class HttpAdmission:
             raise ApiError(400, f"model {body.model!r} does not exist; this server serves {self.config.model!r}",
                            "model", "model_not_found")
         if isinstance(body, ChatCompletionRequest):
-            prompt_ids = self.admit.encode(render([m.model_dump() for m in body.messages],
+            prompt_ids = self.admit.encode(render([m.as_turn() for m in body.messages],
                                                   add_generation_prompt=True), "messages")
         elif isinstance(body.prompt, str):
             prompt_ids = self.admit.encode(body.prompt, "prompt")
@@ -178,7 +181,8 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
             except Exception:
                 span.end()
                 raise
-            return EventSourceResponse(_stream(req, shape, body, span, feed, first), ping=15, sep="\n")
+            return EventSourceResponse(_stream(req, shape, body, span, feed, first), ping=config.keepalive_s,
+                                       sep="\n")
         with trace.use_span(span, end_on_exit=True):  # errors go to http_errors' handlers
             text, finish, completion = [], None, 0
             async with contextlib.aclosing(router.generate(req)) as chunks:
@@ -222,7 +226,7 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
     @app.get("/v1/models", responses={200: {"model": ModelList}, **documented(401)})
     async def models():
         card = {"id": config.model, "object": "model", "created": int(time.time()), "owned_by": "dspark",
-                "max_model_len": config.max_model_len}
+                "root": config.model, "parent": None, "max_model_len": config.max_model_len}
         return {"object": "list", "data": [card]}
 
     @app.get("/health", responses={200: {"model": Health}, 503: {"model": Health, "description": "a tier is down"}})

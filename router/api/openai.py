@@ -1,8 +1,10 @@
 """OpenAI-compatible request bodies and response shapes (completions and chat completions).
 
-Unknown fields are accepted and ignored, as vLLM does (clients send vendor extras); values we do
-support are type- and range-checked here, in the types where the OpenAPI schema can show the bound, and
-pydantic's errors become OpenAI-shaped 400s in `http_errors.py`.
+Unknown fields are accepted and ignored, as vLLM does (clients send vendor extras), except the sampling
+fields of OpenAI and vLLM that would change what is generated: those are refused by name unless they
+carry their no-op value (`UNSERVED`), never silently ignored. Values we do support are type- and
+range-checked here, in the types where the OpenAPI schema can show the bound, and pydantic's errors become
+OpenAI-shaped 400s in `http_errors.py`.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from protos.validate import MAX_STOP_STRINGS
 from protos.validate import MIN_TEMPERATURE as GREEDY_BELOW
@@ -56,6 +58,14 @@ class SpeculativeOptions(_Body):
                                            "length until its expected speed reaches this (policy dspark)")
 
 
+# Sampling fields of OpenAI / vLLM not served yet, with the value that asks for nothing (accepted as such).
+UNSERVED = {"min_tokens": 0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+            "min_p": 0.0, "best_of": 1, "logit_bias": None, "include_stop_str_in_output": False,
+            "skip_special_tokens": True, "use_beam_search": False, "length_penalty": 1.0, "echo": False,
+            "suffix": None, "response_format": None, "tools": None, "tool_choice": None, "guided_json": None,
+            "guided_regex": None, "guided_choice": None, "guided_grammar": None}
+
+
 class _Common(_Body):
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -70,6 +80,15 @@ class _Common(_Body):
     ignore_eos: bool = False
     logprobs: bool | int | None = Field(None, description="not served: null or false")  # chat: bool, else int
     speculative: SpeculativeOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unserved(cls, data):
+        if isinstance(data, dict):
+            for name, noop in UNSERVED.items():
+                if name in data and data[name] is not None and data[name] != noop and data[name] != {}:
+                    raise ValueError(f"{name} is not supported (only {noop!r})")
+        return data
 
     @field_validator("temperature")
     @classmethod
@@ -107,9 +126,32 @@ class CompletionRequest(_Common):
         return self.max_tokens
 
 
+class TextPart(_Body):
+    type: Literal["text"]
+    text: TokenizedText
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant"]
-    content: TokenizedText
+    """`content` as a string or as text parts (what vLLM's chat benchmark and guidellm send); `developer` is
+    OpenAI's newer name of the system role; a `tool` message's content is given to the model as a user turn."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: TokenizedText | Annotated[list[TextPart], Field(min_length=1)]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v):
+        if isinstance(v, list):
+            for part in v:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"content part of type {kind!r} is not supported (only text)")
+        return v
+
+    def as_turn(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        role = {"developer": "system", "tool": "user"}.get(self.role, self.role)
+        return {"role": role, "content": text}
 
 
 class ChatCompletionRequest(_Common):
@@ -169,6 +211,8 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str  # vLLM's client reads it
+    parent: str | None
     max_model_len: int
 
 
