@@ -19,14 +19,20 @@ class RouterMetrics:
         labels = ["model_name"]
         r = self.registry
 
-        def counter(name, doc, extra=()):
-            return Counter(PREFIX + name, doc, [*labels, *extra], registry=r)
+        def counter(name, doc, extra=(), prefix=PREFIX):
+            return Counter(prefix + name, doc, [*labels, *extra], registry=r)
 
         self.num_drafts = counter("spec_decode_num_drafts", "Cycles that verified at least one draft token")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens sent for verification (Σ ℓ)")
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by position (0-based)", ["position"])
+        # The same four under vLLM's names, which vLLM's benchmark client reads for its speculation summary.
+        self.vllm = [counter(name, doc + " (vLLM's name)", extra, "vllm:") for name, doc, extra in (
+            ("spec_decode_num_drafts", "Cycles that verified at least one draft token", ()),
+            ("spec_decode_num_draft_tokens", "Draft tokens sent for verification", ()),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted", ()),
+            ("spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position", ("position",)))]
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.requests = counter("request_success", "Finished requests by finish reason", ["finished_reason"])
@@ -68,11 +74,17 @@ class RouterMetrics:
         self.verify_len.labels(m).observe(verify_len)
         if verify_len == 0:
             return
-        self.num_drafts.labels(m).inc()
-        self.num_draft_tokens.labels(m).inc(verify_len)
-        self.num_accepted_tokens.labels(m).inc(accepted)
-        for pos in range(accepted):
-            self.accepted_per_pos.labels(m, str(pos)).inc()
+        for drafts, tokens, accepted_tokens, per_pos in ((self.num_drafts, self.num_draft_tokens,
+                                                          self.num_accepted_tokens, self.accepted_per_pos), self.vllm):
+            drafts.labels(m).inc()
+            tokens.labels(m).inc(verify_len)
+            accepted_tokens.labels(m).inc(accepted)
+            for pos in range(accepted):
+                per_pos.labels(m, str(pos)).inc()
+
+    def totals(self) -> tuple[float, float]:
+        """(cycles with drafts, accepted draft tokens) so far: τ = 1 + accepted / cycles."""
+        return self.num_drafts.labels(self.model)._value.get(), self.num_accepted_tokens.labels(self.model)._value.get()
 
     def scheduled(self, drafted: int, verify_len: int, seconds: float, budget: int | None,
                   source: str | None) -> None:

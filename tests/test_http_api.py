@@ -201,3 +201,28 @@ def test_keepalive_comments_are_off_by_default_and_come_when_configured(tiers):
         assert lines[-1] == "data: [DONE]"
         seen[interval] = sum(line.startswith(":") for line in lines)
     assert seen[0.0] == 0 and seen[0.01] > 0
+
+
+def test_vllm_and_sglang_side_routes(api, client, tokenizer):
+    """/tokenize and /detokenize (vLLM's shapes, the server's BOS included), /server_info (SGLang's mean
+    acceptance length), the speculative counters under vLLM's names; all behind the API key."""
+    url, headers = api[0], {"Authorization": f"Bearer {KEY}"}
+    assert httpx.post(url + "/tokenize", json={"prompt": "x"}).status_code == 401
+    out = httpx.post(url + "/tokenize", json={"model": TARGET, "prompt": "def main():"}, headers=headers).json()
+    assert out["tokens"] == tokenizer.encode("def main():") and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == 512
+    bare = httpx.post(url + "/tokenize", json={"prompt": "def main():", "add_special_tokens": False},
+                      headers=headers).json()
+    assert bare["tokens"] == out["tokens"][1:] and out["tokens"][0] == tokenizer.bos_token_id
+    chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, headers=headers)
+    assert chat.json()["tokens"] == tokenizer.encode(render([{"role": "user", "content": "hi"}], True))
+    text = httpx.post(url + "/detokenize", json={"tokens": bare["tokens"]}, headers=headers).json()["prompt"]
+    assert text == "def main():"
+    assert httpx.post(url + "/detokenize", json={"tokens": [10**6]}, headers=headers).status_code == 400
+    for prompt in ("def fibonacci(n):", "import os\n\n"):
+        client.completions.create(model=TARGET, prompt=prompt, max_tokens=32, temperature=0,
+                                  extra_body={"speculative": {"policy": "fixed", "gamma": 4}})
+    info = httpx.get(url + "/server_info", headers=headers).json()
+    assert info["speculative_algorithm"] == "dspark" and info["avg_spec_accept_length"] > 1
+    metrics = httpx.get(url + "/metrics").text
+    assert "vllm:spec_decode_num_accepted_tokens_total" in metrics and "vllm:spec_decode_num_drafts_total" in metrics

@@ -30,6 +30,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_MODEL_LEN = 64  # a request without max_tokens generates up to the context: keep that short
 SHORT = 8  # max_tokens of the requests that get through, so hundreds of them run in seconds
 POSTS = ("/v1/completions", "/v1/chat/completions")
+SIDE_POSTS = ("/tokenize", "/detokenize")  # vLLM's side routes: schema-fuzzed, not shaped
 CAP = 4 * 2**20  # ApiConfig's default body cap
 # The server is module-scoped; the autouse check after each test runs once, after all its examples.
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -245,8 +246,9 @@ def openapi(api):
     return schemathesis.openapi.from_url(api + "/openapi.json")
 
 
-OPERATIONS = [*(("POST", p, mode) for p in POSTS for mode in GenerationMode),
-              *(("GET", p, GenerationMode.POSITIVE) for p in ("/v1/models", "/health", "/metrics", "/version"))]
+OPERATIONS = [*(("POST", p, mode) for p in POSTS + SIDE_POSTS for mode in GenerationMode),
+              *(("GET", p, GenerationMode.POSITIVE) for p in ("/v1/models", "/health", "/metrics", "/version",
+                                                              "/server_info"))]
 
 
 def test_the_schema_lists_every_route(openapi):

@@ -37,6 +37,8 @@ from router.api.openai import (
     ResponseShape,
 )
 from router.api.stream import ChunkFeed
+from router.api.vllm_compat import ROUTES as VLLM_ROUTES
+from router.api.vllm_compat import add_routes as add_vllm_routes
 from router.router import Router
 from router.session import Chunk, RouterRequest
 from services.chat_template import render
@@ -44,7 +46,7 @@ from services.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
-GUARDED = ("/v1",)  # /health, /metrics and /version stay open for probes and scrapers
+GUARDED = ("/v1", *VLLM_ROUTES)  # /health, /metrics and /version stay open for probes and scrapers
 # `stream: true`: one event per cycle; OpenAPI 3.1 has the schema of an event stream describe each event.
 SSE = {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"], "properties": {"event": {"type": "string"}, "data": {
@@ -163,6 +165,7 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
     digests = [hashlib.sha256(k.encode()).digest() for k in config.api_keys]
     app.add_middleware(Gatekeeper, digests=digests, max_body_bytes=config.max_body_bytes)
     install_error_handlers(app)
+    add_vllm_routes(app, router, tokenizer, config.model, config.max_model_len)
     admit = HttpAdmission(router, tokenizer, config)
 
     async def respond(body: CompletionRequest | ChatCompletionRequest, request: Request, kind: str):
