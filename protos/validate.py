@@ -18,7 +18,7 @@ from services.errors import InvalidRequestError
 from services.types import DraftBlock, SamplingParams
 
 MAX_GAMMA = 64  # most drafts a block may carry or a Draft may ask for (published drafters use γ <= 16)
-MAX_STOP_STRINGS = 4  # as the OpenAI API
+MAX_STOP_STRINGS = 16  # OpenAI takes 4, vLLM any number; 16 keeps the per-cycle stop check bounded
 MAX_STOP_TOKEN_IDS = 256
 # Below this, logits / T overflows fp32 to ±inf and sampling meets NaN (vLLM treats T < 1e-5 as greedy).
 MIN_TEMPERATURE = 1e-5

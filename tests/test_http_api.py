@@ -226,3 +226,9 @@ def test_vllm_and_sglang_side_routes(api, client, tokenizer):
     assert info["speculative_algorithm"] == "dspark" and info["avg_spec_accept_length"] > 1
     metrics = httpx.get(url + "/metrics").text
     assert "vllm:spec_decode_num_accepted_tokens_total" in metrics and "vllm:spec_decode_num_drafts_total" in metrics
+
+
+def test_sixteen_stop_strings_are_served(client):
+    stops = [f"zq{i}" for i in range(15)] + ["\n"]
+    out = client.completions.create(model=TARGET, prompt="import os\n", max_tokens=40, temperature=0, stop=stops)
+    assert "\n" not in out.choices[0].text
