@@ -232,3 +232,24 @@ def test_sixteen_stop_strings_are_served(client):
     stops = [f"zq{i}" for i in range(15)] + ["\n"]
     out = client.completions.create(model=TARGET, prompt="import os\n", max_tokens=40, temperature=0, stop=stops)
     assert "\n" not in out.choices[0].text
+
+
+def test_a_batch_of_prompts_answers_one_choice_per_prompt_in_order(client, api, tokenizer):
+    """lm-eval's local-completions sends `prompt` as a list; token-id batches too. Streaming a batch: a 400."""
+    texts = ["def fibonacci(n):", "import os\n", "class Stack:"]
+    out = client.completions.create(model=TARGET, prompt=texts, max_tokens=12, temperature=0)
+    expected = plain_greedy([tokenizer.encode(t) for t in texts], [12] * 3)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [tokenizer.decode(e) for e in expected]
+    assert out.usage.prompt_tokens == sum(len(tokenizer.encode(t)) for t in texts)
+    assert out.usage.completion_tokens == sum(len(e) for e in expected)
+    ids = client.completions.create(model=TARGET, prompt=[tokenizer.encode(t) for t in texts[:2]], max_tokens=12,
+                                    temperature=0)
+    assert [c.text for c in ids.choices] == [c.text for c in out.choices[:2]]
+    url, headers = api[0], {"Authorization": f"Bearer {KEY}"}
+    body = {"model": TARGET, "prompt": texts, "max_tokens": 4, "stream": True}
+    bad = httpx.post(url + "/v1/completions", json=body, headers=headers)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"
+    too_long = httpx.post(url + "/v1/completions", headers=headers,
+                          json={"model": TARGET, "prompt": ["x", "y " * 600], "max_tokens": 4})
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"

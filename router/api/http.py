@@ -8,6 +8,7 @@ full. Streaming sends one SSE chunk per cycle, then `[DONE]`; errors after the 2
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -135,21 +136,28 @@ class HttpAdmission:
     def __init__(self, router: Router, tokenizer: TextTokenizer, config: ApiConfig):
         self.config, self.admit = config, Admission(router, tokenizer, config.max_model_len)
 
-    def __call__(self, body: CompletionRequest | ChatCompletionRequest, request_id: str) -> RouterRequest:
+    def __call__(self, body: CompletionRequest | ChatCompletionRequest, request_id: str) -> list[RouterRequest]:
+        """One router request per prompt (a completions batch: `{id}-{i}`), all checked before any runs."""
         if body.model != self.config.model:
             raise ApiError(400, f"model {body.model!r} does not exist; this server serves {self.config.model!r}",
                            "model", "model_not_found")
         if isinstance(body, ChatCompletionRequest):
-            prompt_ids = self.admit.encode(render([m.as_turn() for m in body.messages],
-                                                  add_generation_prompt=True), "messages")
-        elif isinstance(body.prompt, str):
-            prompt_ids = self.admit.encode(body.prompt, "prompt")
+            prompts = [self.admit.encode(render([m.as_turn() for m in body.messages], add_generation_prompt=True),
+                                         "messages")]
         else:
-            prompt_ids = self.admit.token_ids(body.prompt, "prompt")
-        max_tokens = self.admit.max_tokens(body.wanted_tokens(), len(prompt_ids), body.prompt_param)
+            prompts = [self.admit.encode(p, "prompt") if isinstance(p, str) else self.admit.token_ids(p, "prompt")
+                       for p in body.prompts()]
+            if len(prompts) > 1 and body.stream:
+                raise ApiError(400, "streaming a batch of prompts is not supported; send them one per request",
+                               "stream")
         spec = body.speculative.model_dump(exclude_none=True) if body.speculative else None
-        return self.admit(prompt_ids, body.sampling(max_tokens), request_id, body.stops(), body.stop_token_ids or [],
-                          body.ignore_eos, spec)
+        requests = []
+        for i, prompt_ids in enumerate(prompts):
+            max_tokens = self.admit.max_tokens(body.wanted_tokens(), len(prompt_ids), body.prompt_param)
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            requests.append(self.admit(prompt_ids, body.sampling(max_tokens), rid, body.stops(),
+                                       body.stop_token_ids or [], body.ignore_eos, spec))
+        return requests
 
 
 async def _prepend(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
@@ -169,7 +177,8 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
     admit = HttpAdmission(router, tokenizer, config)
 
     async def respond(body: CompletionRequest | ChatCompletionRequest, request: Request, kind: str):
-        req = admit(body, request.state.request_id)
+        reqs = admit(body, request.state.request_id)
+        req = reqs[0]
         shape = ResponseShape(kind, f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{request.state.request_id}",
                               config.model)
         op = "text_completion" if kind == "completion" else "chat"
@@ -187,12 +196,29 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
             return EventSourceResponse(_stream(req, shape, body, span, feed, first), ping=config.keepalive_s,
                                        sep="\n")
         with trace.use_span(span, end_on_exit=True):  # errors go to http_errors' handlers
-            text, finish, completion = [], None, 0
-            async with contextlib.aclosing(router.generate(req)) as chunks:
-                async for chunk in chunks:
-                    text.append(chunk.text)
-                    finish, completion = chunk.finish_reason or finish, chunk.completion_tokens
-            return shape.full("".join(text), str(finish), len(req.prompt_ids), completion)
+            outputs = await collect_all(reqs)
+            return shape.full([(text, finish) for text, finish, _ in outputs], sum(len(r.prompt_ids) for r in reqs),
+                              sum(n for _, _, n in outputs))
+
+    async def collect_all(reqs: list[RouterRequest]) -> list[tuple[str, str, int]]:
+        """A batch side by side; the first failure cancels the rest and is what the client gets."""
+        if len(reqs) == 1:
+            return [await collect(reqs[0])]
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(collect(r)) for r in reqs]
+        except ExceptionGroup as failed:
+            raise failed.exceptions[0] from None
+        return [t.result() for t in tasks]
+
+    async def collect(req: RouterRequest) -> tuple[str, str, int]:
+        """A request's whole text, finish reason and completion tokens."""
+        text, finish, completion = [], None, 0
+        async with contextlib.aclosing(router.generate(req)) as chunks:
+            async for chunk in chunks:
+                text.append(chunk.text)
+                finish, completion = chunk.finish_reason or finish, chunk.completion_tokens
+        return "".join(text), str(finish), completion
 
     async def _stream(req: RouterRequest, shape: ResponseShape, body, span, feed: ChunkFeed, first):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -19,6 +19,7 @@ from protos.validate import MIN_TEMPERATURE as GREEDY_BELOW
 from router.session import Chunk
 from services.types import SamplingParams
 
+MAX_BATCH = 64  # prompts in one completions request
 MAX_STOP_CHARS = 256  # each cycle matches every prefix of every stop string: quadratic in its length
 MAX_STOP_TOKEN_IDS = 64  # below the gRPC cap (protos.validate, 256): the HTTP API publishes 64 (docs/security.md)
 
@@ -112,7 +113,12 @@ class _Common(_Body):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] = Field(min_length=1)
+    """`prompt`: a string, token ids, or a batch of either (lm-eval sends a batch of one; choices come back
+    indexed per prompt, as OpenAI and vLLM answer)."""
+
+    prompt: (str | list[int] | Annotated[list[str], Field(max_length=MAX_BATCH)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(max_length=MAX_BATCH)]) = Field(
+        min_length=1)
     max_tokens: int | None = Field(16, ge=1)
     prompt_param: ClassVar[str] = "prompt"  # the field a context-length error names
 
@@ -120,7 +126,13 @@ class CompletionRequest(_Common):
     @classmethod
     def _prompt_text(cls, v):
         # checked here, not in the union's str member, whose error location would spell out the validator
-        return _encodable(v) if isinstance(v, str) else v
+        if isinstance(v, str):
+            return _encodable(v)
+        return [_encodable(p) if isinstance(p, str) else p for p in v] if v and not isinstance(v[0], int) else v
+
+    def prompts(self) -> list[str | list[int]]:
+        batch = isinstance(self.prompt, list) and not isinstance(self.prompt[0], int)
+        return list(self.prompt) if batch else [self.prompt]
 
     def wanted_tokens(self) -> int | None:
         return self.max_tokens
@@ -237,14 +249,16 @@ class ResponseShape:
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, text: str, finish: str | None, prompt_tokens: int, completion_tokens: int) -> dict:
+    def full(self, outputs: list[tuple[str, str | None]], prompt_tokens: int, completion_tokens: int) -> dict:
+        """One choice per (text, finish reason), indexed in order."""
         if self.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            body = self._envelope("text_completion", [choice])
+            choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+                       for i, (text, finish) in enumerate(outputs)]
+            body = self._envelope("text_completion", choices)
         else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
-            body = self._envelope("chat.completion", [choice])
+            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                        "finish_reason": finish} for i, (text, finish) in enumerate(outputs)]
+            body = self._envelope("chat.completion", choices)
         body["usage"] = usage(prompt_tokens, completion_tokens)
         return body
 
