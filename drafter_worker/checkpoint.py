@@ -134,11 +134,7 @@ def draft_model_config(raw: dict, model_dir: Path, fmt: str) -> ModelConfig:
         return ModelConfig.from_dir(model_dir)
     if fmt == "eagle3" and not eagle3.is_deepspec(raw):
         return ModelConfig.from_dict({**raw, "architectures": ["LlamaForCausalLM"]})
-    arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
-        raw.get("model_type", ""))
-    if arch is None:
-        raise ModelLoadError(f"{model_dir}: model_type {raw.get('model_type')!r} of a {fmt} drafter is not loaded")
-    return ModelConfig.from_dict({**raw, "architectures": [arch]})
+    return ModelConfig.from_dict({**raw, "architectures": []})  # the decoder of its model_type (services/model_config)
 
 
 def own_vocab_weights(state: dict, target: CausalLM) -> dict:

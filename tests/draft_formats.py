@@ -41,3 +41,25 @@ def rope(x, pos, theta=THETA):  # x [n, heads, Dh] at positions pos [n]: rotate-
     sin = torch.cat([ang.sin(), ang.sin()], -1).float()[:, None]
     half = torch.cat([-x[..., DH // 2:], x[..., : DH // 2]], -1)
     return x * cos + half * sin
+
+
+def context(seed: int = 5) -> tuple[torch.Tensor, list[int]]:
+    """Random context features [11, T·d] (positions 0..10) and 12 committed token ids (the anchor last)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(11, len(TAPS) * D, generator=g), torch.randint(4, 300, (12,), generator=g).tolist()
+
+
+def assert_greedy_is_plain(target: CausalLM, draft_model, gamma: int) -> None:
+    """Greedy speculative decoding with this drafter gives plain greedy's tokens, and drafts were verified."""
+    from drafter_worker.drafter import Drafter
+    from router.offline import GenerationRequest, LocalRouter
+    from router.scheduling.policy import Policy
+    from services.types import SamplingParams
+    from tests.conftest import make_engine
+
+    g = torch.Generator().manual_seed(9)
+    requests = [GenerationRequest(f"r{i}", torch.randint(4, 300, (n,), generator=g).tolist(),
+                                  SamplingParams(max_tokens=16)) for i, n in enumerate((5, 12))]
+    plain = LocalRouter(make_engine(target), policy=Policy.NONE).generate(requests)
+    spec = LocalRouter(make_engine(target), Drafter(draft_model), Policy.FIXED, gamma).generate(requests)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain] and sum(r.draft_tokens for r in spec) > 0

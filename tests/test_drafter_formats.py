@@ -15,12 +15,9 @@ from safetensors.torch import save_file
 
 from drafter_worker.checkpoint import drafter_config, load_drafter
 from drafter_worker.drafter import Drafter
-from router.offline import GenerationRequest, LocalRouter
-from router.scheduling.policy import Policy
 from services.errors import ModelLoadError
 from services.model import CausalLM
 from services.types import SamplingParams
-from tests.conftest import make_engine
 from tests.draft_formats import (
     BLOCK,
     DH,
@@ -35,6 +32,7 @@ from tests.draft_formats import (
     D,
     H,
     V,
+    assert_greedy_is_plain,
     norm_weight,
     rms,
     rope,
@@ -215,11 +213,4 @@ def test_an_unknown_format_is_refused_with_what_is_known(tmp_path, target):
 @pytest.mark.parametrize("markov", [True, False], ids=["dspark", "dflash"])
 def test_greedy_with_a_deepspec_drafter_is_plain_greedy(tmp_path, target, markov):
     write_deepspec(tmp_path / "d", target, markov)
-    model, _ = load_drafter(tmp_path / "d", target, "float32")
-    g = torch.Generator().manual_seed(9)
-    requests = [GenerationRequest(f"r{i}", torch.randint(4, 300, (n,), generator=g).tolist(),
-                                  SamplingParams(max_tokens=16)) for i, n in enumerate((5, 12))]
-    plain = LocalRouter(make_engine(target), policy=Policy.NONE).generate(requests)
-    spec = LocalRouter(make_engine(target), Drafter(model), Policy.FIXED, BLOCK).generate(requests)
-    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
-    assert sum(r.draft_tokens for r in spec) > 0
+    assert_greedy_is_plain(target, load_drafter(tmp_path / "d", target, "float32")[0], BLOCK)

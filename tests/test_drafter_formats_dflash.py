@@ -11,14 +11,20 @@ import torch
 from safetensors.torch import save_file
 
 from drafter_worker.checkpoint import drafter_config, load_drafter
-from drafter_worker.drafter import Drafter
-from router.offline import GenerationRequest, LocalRouter
-from router.scheduling.policy import Policy
 from services.errors import ModelLoadError
 from services.model import CausalLM
-from services.types import SamplingParams
-from tests.conftest import make_engine
-from tests.draft_formats import BLOCK, DRAFT_LAYERS, LAYERS, MASK, RANK, TAPS, TARGET_CONFIG, D, tiny_target
+from tests.draft_formats import (
+    BLOCK,
+    DRAFT_LAYERS,
+    LAYERS,
+    MASK,
+    RANK,
+    TAPS,
+    TARGET_CONFIG,
+    assert_greedy_is_plain,
+    context,
+    tiny_target,
+)
 from tests.test_drafter_formats import deepspec_tensors, first_block, reference_block
 
 
@@ -43,11 +49,6 @@ def write(path, target, arch="DFlashDraftModel", nested=True, **extra) -> dict[s
     (path / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(path / "model.safetensors"))
     return tensors | shipped
-
-
-def context():
-    g = torch.Generator().manual_seed(5)
-    return torch.randn(11, len(TAPS) * D, generator=g), torch.randint(4, 300, (12,), generator=g).tolist()
 
 
 @pytest.mark.parametrize("nested", [True, False], ids=["dflash_config", "top-level"])
@@ -96,10 +97,4 @@ def test_without_layer_ids_the_zlab_default_taps_apply(tmp_path, target):
 
 def test_greedy_with_a_fill_in_drafter_is_plain_greedy(tmp_path, target):
     write(tmp_path / "z", target)
-    model, _ = load_drafter(tmp_path / "z", target, "float32")
-    g = torch.Generator().manual_seed(9)
-    requests = [GenerationRequest(f"r{i}", torch.randint(4, 300, (n,), generator=g).tolist(),
-                                  SamplingParams(max_tokens=16)) for i, n in enumerate((5, 12))]
-    plain = LocalRouter(make_engine(target), policy=Policy.NONE).generate(requests)
-    spec = LocalRouter(make_engine(target), Drafter(model), Policy.FIXED, BLOCK).generate(requests)
-    assert [r.token_ids for r in spec] == [r.token_ids for r in plain] and sum(r.draft_tokens for r in spec) > 0
+    assert_greedy_is_plain(target, load_drafter(tmp_path / "z", target, "float32")[0], BLOCK)

@@ -23,7 +23,21 @@ from services.model import CausalLM
 from services.sampling import logits_to_probs
 from services.types import SamplingParams
 from tests.conftest import full_forward, make_engine
-from tests.draft_formats import DH, HKV, LAYERS, TAPS, TARGET_CONFIG, D, H, V, norm_weight, rms, rope, tiny_target
+from tests.draft_formats import (
+    DH,
+    HKV,
+    LAYERS,
+    TAPS,
+    TARGET_CONFIG,
+    D,
+    H,
+    V,
+    assert_greedy_is_plain,
+    norm_weight,
+    rms,
+    rope,
+    tiny_target,
+)
 
 VD, FF_DRAFT, DRAFT_THETA, STEPS = 100, 80, 10000.0, 4
 
@@ -163,13 +177,7 @@ def test_layer_id_conventions_become_dspark_taps(tmp_path, ids_key, convention, 
 
 def test_greedy_with_a_reduced_vocabulary_head_is_plain_greedy(tmp_path, target):
     write_eagle3(tmp_path / "e")
-    model, _ = load_drafter(tmp_path / "e", target, "float32")
-    g = torch.Generator().manual_seed(9)
-    requests = [GenerationRequest(f"r{i}", torch.randint(4, 300, (n,), generator=g).tolist(),
-                                  SamplingParams(max_tokens=16)) for i, n in enumerate((5, 12))]
-    plain = LocalRouter(make_engine(target), policy=Policy.NONE).generate(requests)
-    spec = LocalRouter(make_engine(target), Drafter(model), Policy.FIXED, STEPS).generate(requests)
-    assert [r.token_ids for r in spec] == [r.token_ids for r in plain] and sum(r.draft_tokens for r in spec) > 0
+    assert_greedy_is_plain(target, load_drafter(tmp_path / "e", target, "float32")[0], STEPS)
 
 
 def _corrupt_d2t(t, c):
