@@ -8,7 +8,7 @@ import torch
 
 from protos.dspark.v1 import dspark_pb2 as pb
 from services.errors import InvalidRequestError
-from services.types import DraftBlock, OutcomeKind, SamplingParams, StepOutput
+from services.types import DraftBlock, OutcomeKind, SamplingParams, StepOutput, TokenLogprobs
 
 _DTYPES = {pb.DTYPE_FLOAT32: torch.float32, pb.DTYPE_BFLOAT16: torch.bfloat16, pb.DTYPE_FLOAT16: torch.float16}
 _WIRE = {v: k for k, v in _DTYPES.items()}
@@ -61,8 +61,12 @@ def tensor_from_pb(msg: pb.Tensor) -> torch.Tensor | None:
 
 
 def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
-    return pb.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-                             max_tokens=p.max_tokens)
+    return pb.SamplingParams(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, max_tokens=p.max_tokens,
+        repetition_penalty=p.repetition_penalty, frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty, min_p=p.min_p, min_tokens=p.min_tokens, logit_bias=dict(p.logit_bias),
+        stop_token_ids=p.stop_token_ids, logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs,
+    )
 
 
 def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
@@ -70,7 +74,32 @@ def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(
         temperature=msg.temperature, top_p=msg.top_p or 1.0, top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None, max_tokens=msg.max_tokens or 1,
+        repetition_penalty=msg.repetition_penalty or 1.0, frequency_penalty=msg.frequency_penalty,
+        presence_penalty=msg.presence_penalty, min_p=msg.min_p, min_tokens=msg.min_tokens,
+        logit_bias=tuple(sorted(msg.logit_bias.items())), stop_token_ids=tuple(msg.stop_token_ids),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
+
+
+def logprobs_to_pb(lp: TokenLogprobs | None) -> pb.TokenLogprobs | None:
+    if lp is None:
+        return None
+    top = len(lp.top_ids[0]) if lp.top_ids else 0
+    return pb.TokenLogprobs(logprobs=lp.logprobs, top=top, top_ids=[t for row in lp.top_ids for t in row],
+                            top_logprobs=[v for row in lp.top_logprobs for v in row])
+
+
+def logprobs_from_pb(msg: pb.TokenLogprobs, present: bool) -> TokenLogprobs | None:
+    """None when the field is absent; a message whose top arrays are not [n * top] is malformed."""
+    if not present:
+        return None
+    n, k = len(msg.logprobs), msg.top
+    if len(msg.top_ids) != n * k or len(msg.top_logprobs) != n * k:
+        raise InvalidRequestError(f"token logprobs: {len(msg.top_ids)} top ids for {n} tokens × {k}")
+    ids, values = list(msg.top_ids), list(msg.top_logprobs)
+    return TokenLogprobs(list(msg.logprobs), [ids[i * k : (i + 1) * k] for i in range(n)],
+                         [values[i * k : (i + 1) * k] for i in range(n)])
 
 
 def block_to_pb(block: DraftBlock | None) -> pb.DraftBlock:
@@ -113,7 +142,7 @@ def outcome_to_pb(out: StepOutput, committed: int, dtype: torch.dtype) -> pb.Ver
     return pb.VerifyReply(
         request_id=out.request_id, emitted=out.emitted, num_drafts=out.num_drafts, num_accepted=out.num_accepted,
         outcome=_OUTCOMES.get(out.kind, pb.OUTCOME_UNSPECIFIED), feature_start=out.feature_start,
-        features=tensor_to_pb(out.features, dtype), committed=committed,
+        features=tensor_to_pb(out.features, dtype), committed=committed, logprobs=logprobs_to_pb(out.logprobs),
     )
 
 
@@ -121,5 +150,5 @@ def outcome_from_pb(msg: pb.VerifyReply) -> StepOutput:
     return StepOutput(
         request_id=msg.request_id, emitted=list(msg.emitted), num_drafts=msg.num_drafts,
         num_accepted=msg.num_accepted, kind=_KINDS.get(msg.outcome), feature_start=msg.feature_start,
-        features=tensor_from_pb(msg.features),
+        features=tensor_from_pb(msg.features), logprobs=logprobs_from_pb(msg.logprobs, msg.HasField("logprobs")),
     )

@@ -122,7 +122,7 @@ class Router:
             self.metrics.waiting.labels(self.model).dec()
         self.running += 1
         self.metrics.running.labels(self.model).inc()
-        session = Session(request, spec, TextStream(self.tokenizer, request.stop))
+        session = Session(request, spec, TextStream(self.tokenizer, request.stop, request.include_stop))
         try:
             async for chunk in self._serve(session):
                 yield chunk
@@ -148,7 +148,9 @@ class Router:
             self.metrics.ttft.labels(self.model).observe(s.first_token_s)
             s.add_features(0, pre.features)
             self.planner.join(rid)  # every decoding request is an anchor in the verifier's steps
-            yield self._chunk(s, *s.commit(pre.emitted))
+            first = self._chunk(s, *s.commit(pre.emitted, pre.logprobs))
+            first.prompt_logprobs = pre.prompt_logprobs
+            yield first
             while s.finish_reason() is None:
                 yield await self._cycle(s)
             finish = s.finish_reason()
@@ -157,7 +159,7 @@ class Router:
                                  "gen_ai.response.finish_reasons": [str(finish)], "dspark.cycles": s.cycle})
             self.metrics.finished(str(finish), len(s.request.prompt_ids), len(s.output), s.first_token_s,
                                   time.perf_counter() - s.started)
-            yield self._chunk(s, [], tail, finish)
+            yield self._chunk(s, [], tail, finish=finish)
 
     async def _cycle(self, s: Session) -> Chunk:
         s.cycle += 1
@@ -180,10 +182,10 @@ class Router:
             self.metrics.cycle(out.num_drafts, out.num_accepted)
             s.observe_cycle(verified_at - started)
             s.add_features(out.feature_start, out.features)
-            kept, text = s.commit(out.emitted)
+            kept, text, logprobs = s.commit(out.emitted, out.logprobs)
             span.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted,
                                  "dspark.emitted": len(kept)})
-            return self._chunk(s, kept, text)
+            return self._chunk(s, kept, text, logprobs=logprobs)
 
     def _schedule(self, s: Session, block: DraftBlock, bound: int) -> tuple[DraftBlock, Decision]:
         """Trim a block to the ℓ the planner decides (at most `bound`, γ and the token budget)."""
@@ -250,7 +252,9 @@ class Router:
     async def _prefill(self, s: Session, resume: bool) -> Prefilled:
         """Prefill (or re-prefill from the committed tokens), retrying a lost verifier until the deadline."""
         deadline = time.monotonic() + self.config.verifier_retry_s
-        params = dataclasses.replace(s.params, max_tokens=max(1, s.remaining))
+        # prompt logprobs once: a re-prefill's prompt was already answered for
+        params = dataclasses.replace(s.params, max_tokens=max(1, s.remaining),
+                                     prompt_logprobs=None if resume else s.params.prompt_logprobs)
         while True:
             try:
                 return await self.verifier.prefill(s.request.request_id, s.request.prompt_ids, params,
@@ -280,6 +284,7 @@ class Router:
         if self.drafter is not None and s.spec.policy is not Policy.NONE:
             await self.drafter.release(rid)
 
-    def _chunk(self, s: Session, tokens: list[int], text: str, finish=None) -> Chunk:
-        return Chunk(s.request.request_id, tokens, text, finish, len(s.request.prompt_ids), len(s.output), s.cycle)
+    def _chunk(self, s: Session, tokens: list[int], text: str, logprobs=None, finish=None) -> Chunk:
+        return Chunk(s.request.request_id, tokens, text, finish, len(s.request.prompt_ids), len(s.output), s.cycle,
+                     logprobs)
 

@@ -12,7 +12,7 @@ from router.scheduling.policy import Policy
 from router.text_stream import TextStream
 from services.batching import ema
 from services.errors import InvalidRequestError
-from services.types import FinishReason, SamplingParams
+from services.types import FinishReason, SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +35,7 @@ class RouterRequest:
     # Resolved by admission (`router/api/admission.py`); in-process callers may give the raw options
     # {"method", "policy", "gamma", "min_tokens_per_s"}, which `Router.generate` resolves. None: the default.
     speculative: Speculation | dict | None = None
+    include_stop: bool = False  # a stop string stays in the text (vLLM's include_stop_str_in_output)
 
 
 @dataclass(slots=True)
@@ -48,6 +49,8 @@ class Chunk:
     prompt_tokens: int
     completion_tokens: int
     cycle: int
+    logprobs: TokenLogprobs | None = None  # of token_ids, when the request asks for logprobs
+    prompt_logprobs: TokenLogprobs | None = None  # the first chunk's: prompt tokens 1.., when asked for
 
 
 @dataclass(slots=True)
@@ -100,12 +103,14 @@ class Session:
         self.new_ids, self.new_features = [], []
         return delta
 
-    def commit(self, emitted: list[int]) -> tuple[list[int], str]:
-        """Append a cycle's tokens up to max_tokens / a stop token / a stop string → (kept, text delta)."""
+    def commit(self, emitted: list[int], logprobs: TokenLogprobs | None = None
+               ) -> tuple[list[int], str, TokenLogprobs | None]:
+        """Append a cycle's tokens up to max_tokens / a stop token / a stop string → (kept, text delta, their
+        logprobs)."""
         self.new_ids.extend(emitted)  # the drafter mirrors the verifier's committed tokens, cuts or not
         kept, text = self.text.feed(keep(emitted, self.output, self.params.max_tokens, self.request.stop_token_ids))
         self.output.extend(kept)
-        return kept, text
+        return kept, text, None if logprobs is None else logprobs.head(len(kept))
 
     def finish_reason(self) -> FinishReason | None:
         return finish_reason(self.output, self.params.max_tokens, self.request.stop_token_ids, self.text.stopped)

@@ -20,6 +20,7 @@ _CONTEXT = 5  # tokens of left context a window keeps when it moves on (vLLM kee
 class TextStream:
     tokenizer: TextTokenizer | None
     stop: tuple[str, ...] = ()
+    include_stop: bool = False  # the text ends after the stop string rather than before it
     token_ids: list[int] = field(default_factory=list)
     sent: int = 0  # characters of text already handed out
     stopped: bool = False
@@ -66,8 +67,10 @@ class TextStream:
         self._prefix = max(0, self._read - _CONTEXT)
 
     def _stop_at(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        """Where the text ends for the first stop string in it (its start, or its end with include_stop)."""
+        hits = [(i, i + len(s) if self.include_stop else i) for i, s in ((text.find(s), s) for s in self.stop)
+                if i >= 0]
+        return min(hits)[1] if hits else None
 
     def _delta(self, final: bool) -> str:
         text = self.text

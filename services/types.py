@@ -11,6 +11,10 @@ import torch
 
 from services.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's bound for completions and chat)
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's bound)
+MAX_PENALTY = 100.0  # repetition_penalty above this is no sampling any more, only a way to stall a step
+
 
 class OutcomeKind(StrEnum):
     """How the last emitted token of a cycle came about."""
@@ -35,6 +39,18 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     max_tokens: int = 64
+    # Logits processors (services/processors.py), applied by the verifier to every row it verifies with the
+    # context that row has in plain decoding. Defaults are the no-op values.
+    repetition_penalty: float = 1.0  # HF rule over prompt + output tokens; 1 = off
+    frequency_penalty: float = 0.0  # minus penalty × count of the token in the output
+    presence_penalty: float = 0.0  # minus penalty once the token is in the output
+    min_p: float = 0.0  # drop tokens below min_p × the top probability (after temperature)
+    min_tokens: int = 0  # `stop_token_ids` are masked while fewer output tokens than this exist
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    stop_token_ids: tuple[int, ...] = ()  # what min_tokens masks: the model's EOS (unless ignored) + the request's
+    # Log-probabilities of the target's raw distribution (log-softmax of the logits, vLLM's raw_logprobs):
+    logprobs: int | None = None  # per emitted token, with this many top alternatives; None = none
+    prompt_logprobs: int | None = None  # per prompt token after the first, likewise
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
@@ -45,6 +61,28 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        if not (math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= MAX_PENALTY):
+            raise InvalidRequestError(f"repetition_penalty must be in (0, {MAX_PENALTY:g}], got "
+                                      f"{self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0:
+            raise InvalidRequestError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+        if not all(math.isfinite(b) and -100.0 <= b <= 100.0 for _, b in self.logit_bias):
+            raise InvalidRequestError("logit_bias values must be in [-100, 100]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def greedy(self) -> bool:
@@ -83,6 +121,27 @@ class DraftBlock:
 
 
 @dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probabilities of a run of tokens under the target's raw distribution at the rows that predicted them."""
+
+    logprobs: list[float] = field(default_factory=list)  # [n] of each token
+    top_ids: list[list[int]] = field(default_factory=list)  # [n][k] the k most likely tokens, best first
+    top_logprobs: list[list[float]] = field(default_factory=list)  # [n][k] their log-probabilities
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    def head(self, n: int) -> TokenLogprobs:
+        return TokenLogprobs(self.logprobs[:n], self.top_ids[:n], self.top_logprobs[:n])
+
+    def extend(self, other: TokenLogprobs | None) -> None:
+        if other is not None:
+            self.logprobs += other.logprobs
+            self.top_ids += other.top_ids
+            self.top_logprobs += other.top_logprobs
+
+
+@dataclass(slots=True)
 class StepOutput:
     """What one engine step produced for one request."""
 
@@ -93,6 +152,8 @@ class StepOutput:
     kind: OutcomeKind | None = None  # None for a prefill chunk that emits nothing yet
     feature_start: int = 0  # position of the first row of `features`
     features: torch.Tensor | None = None  # [P, num_taps * d] of the newly committed positions
+    logprobs: TokenLogprobs | None = None  # [len(emitted)] when the request asks for logprobs
+    prompt_logprobs: TokenLogprobs | None = None  # a prefill chunk's share of the prompt's (tokens 1..)
 
 
 # Results and loads that cross between the tiers and the router (what `protos/codec.py` encodes).
@@ -104,6 +165,8 @@ class Prefilled:
     emitted: list[int]  # [1] the first token; empty when resumed
     committed: int  # committed tokens: prompt + emitted (+ resumed)
     features: torch.Tensor | None  # [committed − 1, T*d] every position before the anchor
+    logprobs: TokenLogprobs | None = None  # [len(emitted)] of the first token
+    prompt_logprobs: TokenLogprobs | None = None  # [prompt − 1] of prompt tokens 1.. (none for the first)
 
 
 @dataclass(slots=True)

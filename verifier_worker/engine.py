@@ -16,11 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from services import processors
 from services.compiled_step import CompiledStep
 from services.errors import CapacityError, InvalidRequestError
 from services.layers import RaggedLayout
 from services.model import CausalLM
-from services.sampling import accept_greedy, accept_stochastic, draft_q, logits_to_probs, sample
+from services.processors import RowContext
+from services.sampling import accept_greedy, accept_stochastic, draft_q, logits_to_probs, sample, token_logprobs
 from services.types import DraftBlock, OutcomeKind, SamplingParams, StepOutput
 from verifier_worker.kv_cache import KVCache
 
@@ -41,7 +43,8 @@ class _Request:
     request_id: str
     params: SamplingParams
     tokens: list[int]  # committed: prompt, then emitted tokens (the last is the anchor)
-    prompt_len: int
+    prompt_len: int  # positions to prefill: the prompt, or prompt + resumed tokens but the anchor
+    num_prompt: int  # the request's own prompt (what processors count as prompt, the rest is output)
     generator: torch.Generator | None
     prefilled: int = 0  # prompt positions in the cache
     resumed: bool = False  # re-prefilled from committed tokens: the anchor is given, nothing is sampled
@@ -50,6 +53,14 @@ class _Request:
     @property
     def in_prefill(self) -> bool:
         return self.prefilled < self.prompt_len
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.tokens[: self.num_prompt]
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
 
 
 @dataclass(slots=True)
@@ -105,6 +116,8 @@ class Engine:
             raise InvalidRequestError("prompt is empty")
         tokens = [*prompt_ids, *resume_ids]
         self._check_vocab(tokens, "prompt")
+        self._check_vocab([t for t, _ in params.logit_bias], "logit_bias")
+        self._check_vocab(list(params.stop_token_ids), "stop")
         if len(tokens) + params.max_tokens > self.max_len:
             raise InvalidRequestError(
                 f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
@@ -117,7 +130,8 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
         prefill_len = len(tokens) - 1 if resume_ids else len(tokens)
-        self._waiting.append(_Request(request_id, params, tokens, prefill_len, generator, resumed=bool(resume_ids)))
+        self._waiting.append(_Request(request_id, params, tokens, prefill_len, len(prompt_ids), generator,
+                                      resumed=bool(resume_ids)))
 
     def submit(self, request_id: str, draft: DraftBlock | None = None) -> int:
         """Queue one cycle for the next step → the verify length ℓ actually used.
@@ -227,14 +241,37 @@ class Engine:
         return out.logits, out.features
 
     @staticmethod
-    def _logit_positions(it: _Item) -> range:
+    def _samples_first(it: _Item) -> bool:
+        """A prefill chunk whose last row gives the request's first token (the prompt's last chunk)."""
+        req = it.request
+        return it.draft is None and it.start + len(it.new_tokens) == req.prompt_len and not req.resumed
+
+    @classmethod
+    def _logit_positions(cls, it: _Item) -> range:
+        n = len(it.new_tokens)
         if it.draft is not None:
-            return range(len(it.new_tokens))  # p_1..p_{ℓ+1}
-        last_chunk = it.start + len(it.new_tokens) == it.request.prompt_len
-        wanted = last_chunk and not it.request.resumed
-        return range(len(it.new_tokens) - 1, len(it.new_tokens)) if wanted else range(0)
+            return range(n)  # p_1..p_{ℓ+1}
+        if it.request.params.prompt_logprobs is not None and not it.request.resumed:
+            return range(n)  # every prompt row predicts the next prompt token (the last: the first output)
+        return range(n - 1, n) if cls._samples_first(it) else range(0)
+
+    def _row_contexts(self, items: list[_Item]) -> list[RowContext | None]:
+        """Per logits row, what its processors read (None: a row that samples nothing, or no processors)."""
+        rows: list[RowContext | None] = []
+        for it in items:
+            req, count = it.request, len(self._logit_positions(it))
+            if not processors.active(req.params):
+                rows += [None] * count
+            elif it.draft is None:  # only the row giving the first token samples
+                rows += [None] * (count - 1) + [RowContext(req.params, req.prompt, [])]
+            else:
+                output = req.output
+                rows += [RowContext(req.params, req.prompt, output + it.draft.tokens[:k]) for k in range(count)]
+        return rows
 
     def _update(self, items: list[_Item], logits: torch.Tensor, features: torch.Tensor | None) -> list[StepOutput]:
+        raw = logits  # logprobs are of the raw distribution (vLLM's raw_logprobs)
+        logits = processors.apply(logits, self._row_contexts(items))  # [M, V]
         probs = self._target_probs(items, logits)  # [M, V]
         argmax = logits.argmax(-1).tolist()  # [M]
         outputs, row = [], 0
@@ -245,7 +282,21 @@ class Engine:
                 outputs.append(self._finish_prefill_chunk(it, probs, argmax, feats))
             else:
                 outputs.append(self._finish_verify(it, probs, argmax, feats))
+            self._add_logprobs(it, outputs[-1], raw)
         return outputs
+
+    def _add_logprobs(self, it: _Item, out: StepOutput, raw: torch.Tensor) -> None:
+        """Row j of a verify item predicted emitted[j]; a prefill row at position p predicted token p + 1."""
+        params, req = it.request.params, it.request
+        if params.logprobs is not None and out.emitted:
+            first = it.logit_offset + (len(self._logit_positions(it)) - 1 if it.draft is None else 0)
+            rows = list(range(first, first + len(out.emitted)))
+            out.logprobs = token_logprobs(raw, rows, out.emitted, params.logprobs)
+        if it.draft is None and params.prompt_logprobs is not None and it.logit_offset >= 0:
+            count = min(len(it.new_tokens), req.num_prompt - 1 - it.start)  # rows whose next token is prompt
+            rows = list(range(it.logit_offset, it.logit_offset + count))
+            targets = req.tokens[it.start + 1 : it.start + 1 + count]
+            out.prompt_logprobs = token_logprobs(raw, rows, targets, params.prompt_logprobs)
 
     def _target_probs(self, items: list[_Item], logits: torch.Tensor) -> torch.Tensor | None:
         params = [it.request.params for it in items for _ in self._logit_positions(it)]
@@ -257,14 +308,15 @@ class Engine:
             torch.tensor([p.temperature for p in params], device=dev),
             torch.tensor([p.top_k for p in params], device=dev),
             torch.tensor([p.top_p for p in params], device=dev),
+            torch.tensor([p.min_p for p in params], device=dev),
         )
 
     def _finish_prefill_chunk(self, it: _Item, probs, argmax, feats) -> StepOutput:
         req = it.request
         req.prefilled += len(it.new_tokens)
         out = StepOutput(req.request_id, emitted=[], feature_start=it.start, features=feats)
-        if it.logit_offset >= 0:
-            r = it.logit_offset
+        if self._samples_first(it):
+            r = it.logit_offset + len(self._logit_positions(it)) - 1  # the chunk's last row
             token = argmax[r] if req.params.greedy else int(sample(probs[r : r + 1], req.generator)[0])
             req.tokens.append(token)
             out.emitted, out.kind = [token], OutcomeKind.FIRST

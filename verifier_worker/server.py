@@ -38,7 +38,9 @@ class VerifierServicer(rpc.VerifierServicer):
             except Exception as error:
                 await abort_with(context, error)
             return pb.PrefillReply(request_id=request.request_id, cycle=0, emitted=done.emitted,
-                                   committed=done.committed, features=codec.tensor_to_pb(done.features, dtype))
+                                   committed=done.committed, features=codec.tensor_to_pb(done.features, dtype),
+                                   logprobs=codec.logprobs_to_pb(done.logprobs),
+                                   prompt_logprobs=codec.logprobs_to_pb(done.prompt_logprobs))
 
     async def Verify(self, request_iterator, context: grpc.aio.ServicerContext):
         async for reply in session_stream(request_iterator, context, self.service, self._verify_one, "Verify"):

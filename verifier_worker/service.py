@@ -26,6 +26,7 @@ from services.types import (
     Prefilled,
     SamplingParams,
     StepOutput,
+    TokenLogprobs,
     Verified,
     VerifierLoad,
     VerifierProfile,
@@ -41,6 +42,7 @@ class _Session:
     lease: Lease = field(default_factory=Lease)  # Verify streams attached; freed once none has for lease_s
     prefilled: bool = False
     features: list[torch.Tensor] = field(default_factory=list)  # prefill chunks so far
+    prompt_logprobs: TokenLogprobs | None = None  # prefill chunks so far, when asked for
     waiter: asyncio.Future | None = None
 
 
@@ -69,9 +71,11 @@ class VerifierService(TierLoop):
             await self.release(request_id)
             raise
         feats = torch.cat(session.features) if session.features else None
+        prompt_logprobs, session.prompt_logprobs = session.prompt_logprobs, None
         session.features, session.prefilled = [], True
         committed = len(prompt_ids) + len(resume_ids or ()) + len(out.emitted)
-        return Prefilled(out.emitted, committed, None if feats is None else feats[: committed - 1])
+        return Prefilled(out.emitted, committed, None if feats is None else feats[: committed - 1], out.logprobs,
+                         prompt_logprobs)
 
     async def verify(self, request_id: str, cycle: int, draft: DraftBlock | None) -> Verified:
         self._check_open()
@@ -147,6 +151,9 @@ class VerifierService(TierLoop):
         if out.kind is None or out.kind is OutcomeKind.FIRST:
             if out.features is not None:
                 session.features.append(out.features)
+            if out.prompt_logprobs is not None:
+                session.prompt_logprobs = session.prompt_logprobs or TokenLogprobs()
+                session.prompt_logprobs.extend(out.prompt_logprobs)
             if out.kind is None:
                 return
         waiter, session.waiter = session.waiter, None

@@ -9,6 +9,7 @@ spells more characters than the longest one. Capacity (429) is checked once, by 
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Sequence
 
@@ -54,14 +55,22 @@ class Admission:
         return wanted or room
 
     def __call__(self, prompt_ids: list[int], params: SamplingParams, client_id: str, stop: tuple[str, ...],
-                 stop_token_ids: Sequence[int], ignore_eos: bool, speculative: dict | None) -> RouterRequest:
+                 stop_token_ids: Sequence[int], ignore_eos: bool, speculative: dict | None,
+                 include_stop: bool = False) -> RouterRequest:
         """The request as the router core takes it: EOS unless ignore_eos, a session id unique even when a client
         reuses its own (a request rejected as a duplicate would release the other's sessions), speculation
-        resolved against what this deployment serves."""
+        resolved against what this deployment serves; min_tokens masks the same stop tokens the router stops at."""
         eos = () if ignore_eos else tuple(self.tokenizer.eos_token_ids)
-        return RouterRequest(prompt_ids, params, session_id(client_id), stop,
-                             (*eos, *self.token_ids(stop_token_ids, "stop_token_ids")),
-                             self.router.speculation(speculative))
+        stop_ids = (*eos, *self.token_ids(stop_token_ids, "stop_token_ids"))
+        if params.min_tokens > params.max_tokens:
+            raise AdmissionError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})",
+                                 "min_tokens")
+        if params.logit_bias:
+            self.token_ids([t for t, _ in params.logit_bias], "logit_bias")
+        if params.min_tokens:
+            params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(stop_ids)))
+        return RouterRequest(prompt_ids, params, session_id(client_id), stop, stop_ids,
+                             self.router.speculation(speculative), include_stop)
 
 
 def session_id(client_id: str) -> str:

@@ -35,6 +35,7 @@ from router.api.openai import (
     CompletionRequest,
     CompletionResponse,
     ModelList,
+    Output,
     ResponseShape,
 )
 from router.api.stream import ChunkFeed
@@ -156,7 +157,8 @@ class HttpAdmission:
             max_tokens = self.admit.max_tokens(body.wanted_tokens(), len(prompt_ids), body.prompt_param)
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             requests.append(self.admit(prompt_ids, body.sampling(max_tokens), rid, body.stops(),
-                                       body.stop_token_ids or [], body.ignore_eos, spec))
+                                       body.stop_token_ids or [], body.ignore_eos, spec,
+                                       body.include_stop_str_in_output))
         return requests
 
 
@@ -180,7 +182,8 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
         reqs = admit(body, request.state.request_id)
         req = reqs[0]
         shape = ResponseShape(kind, f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{request.state.request_id}",
-                              config.model)
+                              config.model, tokenizer, req.params.logprobs is not None,
+                              isinstance(body, CompletionRequest) and body.echo)
         op = "text_completion" if kind == "completion" else "chat"
         span = tracer.start_span(f"{op} {config.model}", attributes={
             "gen_ai.operation.name": op, "gen_ai.request.model": config.model, "gen_ai.request.stream": body.stream,
@@ -197,10 +200,9 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
                                        sep="\n")
         with trace.use_span(span, end_on_exit=True):  # errors go to http_errors' handlers
             outputs = await collect_all(reqs)
-            return shape.full([(text, finish) for text, finish, _ in outputs], sum(len(r.prompt_ids) for r in reqs),
-                              sum(n for _, _, n in outputs))
+            return shape.full(outputs, sum(len(r.prompt_ids) for r in reqs), sum(len(o.token_ids) for o in outputs))
 
-    async def collect_all(reqs: list[RouterRequest]) -> list[tuple[str, str, int]]:
+    async def collect_all(reqs: list[RouterRequest]) -> list[Output]:
         """A batch side by side; the first failure cancels the rest and is what the client gets."""
         if len(reqs) == 1:
             return [await collect(reqs[0])]
@@ -211,14 +213,13 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
             raise failed.exceptions[0] from None
         return [t.result() for t in tasks]
 
-    async def collect(req: RouterRequest) -> tuple[str, str, int]:
-        """A request's whole text, finish reason and completion tokens."""
-        text, finish, completion = [], None, 0
+    async def collect(req: RouterRequest) -> Output:
+        """A request's whole text, finish reason and tokens (and logprobs)."""
+        out = Output(req.prompt_ids)
         async with contextlib.aclosing(router.generate(req)) as chunks:
             async for chunk in chunks:
-                text.append(chunk.text)
-                finish, completion = chunk.finish_reason or finish, chunk.completion_tokens
-        return "".join(text), str(finish), completion
+                out.add(chunk)
+        return out
 
     async def _stream(req: RouterRequest, shape: ResponseShape, body, span, feed: ChunkFeed, first):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -227,8 +228,9 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
             try:
                 async for chunk in _prepend(first, feed.rest()):
                     completion = chunk.completion_tokens
-                    if chunk.text or chunk.finish_reason is not None:
-                        yield json.dumps(shape.chunk(chunk))
+                    # a chunk of tokens whose text is held back still carries their logprobs
+                    if chunk.text or chunk.finish_reason is not None or (shape.fmt and chunk.token_ids):
+                        yield json.dumps(shape.chunk(chunk, req.prompt_ids))
             except Exception as error:
                 status, error_chunk = known_error(error)
                 if status == 500:

@@ -101,7 +101,9 @@ class GrpcVerifier:
         msg = pb.PrefillRequest(request_id=request_id, prompt_ids=prompt_ids, params=codec.params_to_pb(params),
                                 resume_ids=resume_ids, feature_dtype=self.feature_dtype, traceparent=traceparent)
         reply = await _unary(self.address, self.stub.Prefill, msg, self.timeout_s)
-        return Prefilled(list(reply.emitted), reply.committed, codec.tensor_from_pb(reply.features))
+        return Prefilled(list(reply.emitted), reply.committed, codec.tensor_from_pb(reply.features),
+                         codec.logprobs_from_pb(reply.logprobs, reply.HasField("logprobs")),
+                         codec.logprobs_from_pb(reply.prompt_logprobs, reply.HasField("prompt_logprobs")))
 
     async def verify(self, request_id, cycle, draft: DraftBlock | None, traceparent) -> Verified:
         msg = pb.VerifyRequest(request_id=request_id, cycle=cycle, draft=codec.block_to_pb(draft),
