@@ -13,7 +13,7 @@ from router.scheduling.planner import VerifyPlanner
 from router.scheduling.policy import Policy, max_verify_len
 from router.session import finish_reason, keep
 from services.errors import CapacityError
-from services.types import DraftBlock, FinishReason, OutcomeKind, Proposer, SamplingParams, StepOutput
+from services.types import DraftBlock, FinishReason, OutcomeKind, Proposer, SamplingParams, StepOutput, TokenLogprobs
 
 
 class Engine(Protocol):
@@ -53,6 +53,8 @@ class GenerationResult:
     elapsed_s: float  # from the first scheduled step (prefill) to the last token: the request's own speed
     proposed_per_pos: list[int] = field(default_factory=list)  # [γ] cycles that verified a draft at position k
     queued_s: float = 0.0  # from `generate` to the first scheduled step: the wait for a slot (KV or batch)
+    logprobs: TokenLogprobs | None = None  # [len(token_ids)] when params.logprobs is set
+    prompt_logprobs: TokenLogprobs | None = None  # prompt tokens 1.. when params.prompt_logprobs is set
 
     @property
     def tau(self) -> float:
@@ -79,6 +81,8 @@ class _Session:
     accepted_per_pos: list[int] = field(default_factory=list)
     proposed_per_pos: list[int] = field(default_factory=list)
     block: DraftBlock | None = None  # the cycle in flight
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
 
     @property
     def remaining(self) -> int:
@@ -158,6 +162,9 @@ class LocalRouter:
 
     @staticmethod
     def _commit(session: _Session, out: StepOutput) -> list[int]:
+        if out.prompt_logprobs is not None:
+            session.prompt_logprobs = session.prompt_logprobs or TokenLogprobs()
+            session.prompt_logprobs.extend(out.prompt_logprobs)
         if out.kind is None:
             return []  # a prefill chunk that emits nothing yet
         if out.kind is not OutcomeKind.FIRST:
@@ -177,6 +184,9 @@ class LocalRouter:
         req = session.request
         new = keep(out.emitted, session.output, req.params.max_tokens, req.stop_token_ids)
         session.output.extend(new)
+        if out.logprobs is not None:
+            session.logprobs = session.logprobs or TokenLogprobs()
+            session.logprobs.extend(out.logprobs.head(len(new)))
         return new
 
     @staticmethod
@@ -202,4 +212,6 @@ class LocalRouter:
             proposed_per_pos=session.proposed_per_pos,
             elapsed_s=time.perf_counter() - session.scheduled,
             queued_s=session.scheduled - session.queued,
+            logprobs=session.logprobs,
+            prompt_logprobs=session.prompt_logprobs,
         )

@@ -260,7 +260,7 @@ class Engine:
         rows: list[RowContext | None] = []
         for it in items:
             req, count = it.request, len(self._logit_positions(it))
-            if not processors.active(req.params):
+            if not count or not processors.active(req.params):
                 rows += [None] * count
             elif it.draft is None:  # only the row giving the first token samples
                 rows += [None] * (count - 1) + [RowContext(req.params, req.prompt, [])]
