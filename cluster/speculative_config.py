@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from drafter_worker.formats import declared_method, read_config
+from drafter_worker.formats import declared_method, mtp, read_config
 from services.errors import ModelLoadError
 from services.registry import resolve_model
 from services.settings import Settings
@@ -199,6 +199,14 @@ def checkpoint_method(model: str | None) -> str | None:
         raise ValueError(f"speculative model {model!r}: {error}") from None
 
 
+def carries_mtp(model: str | None) -> bool:
+    """Whether a target checkpoint holds a released MTP module (DeepSeek-V3 / Qwen3-Next config.json)."""
+    try:
+        return model is not None and mtp.matches(read_config(Path(resolve_model(model)))) is not None
+    except ModelLoadError:  # not found or no config.json: the pool's own lookup reports it
+        return False
+
+
 def apply(spec: Speculative, router: dict, drafter: dict) -> None:
     """Write the request into the router's and the drafter pool's sections (in place)."""
     router["method"], router["methods"] = spec.method, [spec.method]
@@ -210,5 +218,7 @@ def apply(spec: Speculative, router: dict, drafter: dict) -> None:
         router["policy"] = "mtp1"
     if spec.drafter is not None:  # else the pool hosts the target's shipped drafters, this method among them
         drafter["drafters"] = [spec.drafter]
+    elif spec.method == "mtp" and carries_mtp(drafter.get("model")):  # vLLM: no model = the target's own module
+        drafter["drafters"] = [drafter["model"]]
     if spec.compile is not None:
         drafter["compile"] = spec.compile

@@ -27,6 +27,11 @@ class DraftModelBase(nn.Module):
         self._rotary: RotaryTable | None = None
 
     @property
+    def feature_width(self) -> int:
+        """Width of the target features it reads: num_taps · d."""
+        return self.context.fc.in_features
+
+    @property
     def reduced_vocab(self) -> bool:
         return self.dconfig.draft_vocab_size is not None
 

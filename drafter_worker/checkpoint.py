@@ -19,7 +19,8 @@ from drafter_worker.block_model import BlockDraftModel
 from drafter_worker.calibration import Calibration
 from drafter_worker.chain_model import ChainDraftModel
 from drafter_worker.config import DrafterConfig
-from drafter_worker.formats import deepspec, detect, dflash, eagle3, read_config, read_tensors
+from drafter_worker.formats import deepspec, detect, dflash, eagle3, mtp, read_config, read_tensors
+from drafter_worker.formats.mtp_model import MtpDraftModel
 from services.checkpoint import hf_config_dict
 from services.errors import ModelLoadError
 from services.loader import resolve_device, resolve_dtype
@@ -27,7 +28,7 @@ from services.model import CausalLM
 from services.model_config import ModelConfig
 from services.registry import resolve_model
 
-DraftModel = BlockDraftModel | ChainDraftModel
+DraftModel = BlockDraftModel | ChainDraftModel | MtpDraftModel
 _SHARED = ("embed_tokens.weight", "lm_head.weight")  # the target's, never stored with the drafter
 
 
@@ -50,6 +51,8 @@ def shared_names(model: DraftModel) -> tuple[str, ...]:
 
 def save_drafter(model: DraftModel, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
                  calibration: Calibration | None = None) -> Path:
+    if isinstance(model, MtpDraftModel):  # MLA / MoE layers have no place in dspark's own layout
+        raise ModelLoadError("a released MTP module is served from its own checkpoint; it has no dspark layout")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(v.dtype if k == "d2t" else dtype).contiguous() for k, v in model.state_dict().items()
@@ -72,6 +75,8 @@ def drafter_config(model_dir: str | Path, fmt: str = "auto", target_layers: int 
     fmt = detect(raw, where, fmt)
     if fmt == "deepspec":
         return deepspec.drafter_config(raw, where)
+    if fmt in mtp.FORMATS:
+        return mtp.drafter_config(raw, where, target_layers)
     if fmt in ("eagle3", "dflash") and target_layers is None:
         raise ModelLoadError(f"{where}: reading this drafter's default taps needs the target's layer count")
     if fmt == "eagle3":
@@ -94,22 +99,13 @@ def load_drafter(name_or_dir: str | Path, target: CausalLM, dtype: str | torch.d
     raw = read_config(model_dir)
     fmt = detect(raw, str(model_dir), fmt)
     dcfg = drafter_config(model_dir, fmt, target.config.num_hidden_layers, convention)
-    cfg = draft_model_config(raw, model_dir, fmt)
-    if fmt != "dspark":  # the draft's RoPE table as long as the target's (vLLM raises it too)
-        cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings,
-                                                                   target.config.max_position_embeddings))
-    if (cfg.hidden_size, cfg.vocab_size) != (target.config.hidden_size, target.config.vocab_size):
-        raise ModelLoadError(f"{model_dir}: drafter width/vocab {cfg.hidden_size}/{cfg.vocab_size} do not match "
-                             f"the target's {target.config.hidden_size}/{target.config.vocab_size}")
+    if fmt in mtp.FORMATS:  # a module inside the target family's checkpoint, with that family's layers
+        model, state = mtp.build(raw, model_dir, fmt, dcfg, target)
+        state = own_vocab_weights(state, target)
+    else:
+        model, state = _chain_or_block(raw, model_dir, fmt, dcfg, target)
     device = resolve_device(device)
-    model = build_draft_model(dcfg, target, cfg).to(device=device, dtype=resolve_dtype(dtype, device))
-    state = read_tensors(model_dir)
-    if fmt == "deepspec":
-        state = own_vocab_weights(deepspec.rename(state, str(model_dir)), target)
-    elif fmt == "eagle3":
-        state = own_vocab_weights(eagle3.rename(state, str(model_dir), target.config.vocab_size), target)
-    elif fmt == "dflash":
-        state = dflash.rename(state, str(model_dir))
+    model = model.to(device=device, dtype=resolve_dtype(dtype, device))
     shared = set(shared_names(model))
     expected = set(model.state_dict()) - shared | (set(state) & shared)
     if set(state) != expected:
@@ -124,6 +120,26 @@ def load_drafter(name_or_dir: str | Path, target: CausalLM, dtype: str | torch.d
     calibration_path = model_dir / "calibration.json"
     calibration = Calibration.load(calibration_path) if calibration_path.is_file() else None
     return model.eval(), calibration
+
+
+def _chain_or_block(raw: dict, model_dir: Path, fmt: str, dcfg: DrafterConfig, target: CausalLM):
+    """dspark's own draft model for `dcfg`, shaped by the draft's config, and its tensors under dspark's names."""
+    cfg = draft_model_config(raw, model_dir, fmt)
+    if fmt != "dspark":  # the draft's RoPE table as long as the target's (vLLM raises it too)
+        cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings,
+                                                                   target.config.max_position_embeddings))
+    if (cfg.hidden_size, cfg.vocab_size) != (target.config.hidden_size, target.config.vocab_size):
+        raise ModelLoadError(f"{model_dir}: drafter width/vocab {cfg.hidden_size}/{cfg.vocab_size} do not match "
+                             f"the target's {target.config.hidden_size}/{target.config.vocab_size}")
+    model = build_draft_model(dcfg, target, cfg)
+    state = read_tensors(model_dir)
+    if fmt == "deepspec":
+        state = own_vocab_weights(deepspec.rename(state, str(model_dir)), target)
+    elif fmt == "eagle3":
+        state = own_vocab_weights(eagle3.rename(state, str(model_dir), target.config.vocab_size), target)
+    elif fmt == "dflash":
+        state = dflash.rename(state, str(model_dir))
+    return model, state
 
 
 def draft_model_config(raw: dict, model_dir: Path, fmt: str) -> ModelConfig:

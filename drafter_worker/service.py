@@ -36,7 +36,7 @@ def model_limits(proposers: dict[str, Proposer]) -> DraftLimits:
     for proposer in proposers.values():
         model = getattr(proposer, "model", None)
         if model is not None:
-            return DraftLimits(model.config.vocab_size, model.context.fc.in_features, model.config.max_context)
+            return DraftLimits(model.config.vocab_size, model.feature_width, model.config.max_context)
     return DraftLimits()
 
 

@@ -29,15 +29,19 @@ class Decoder(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Target model. `tap_layers` are decoder-layer indices (0-based) whose outputs are features."""
+    """Target model. `tap_layers` are decoder-layer indices (0-based) whose outputs are features; tap L (the
+    layer count) is the final hidden state *after* the final norm, the one the LM head reads: what vLLM's and
+    SGLang's target forward returns and feeds released MTP modules (`drafter_worker/formats/mtp.py`). Features
+    are concatenated in layer order, so tap L comes last."""
 
     def __init__(self, cfg: ModelConfig, tap_layers: tuple[int, ...] = ()):
         super().__init__()
         for tap in tap_layers:
-            if not 0 <= tap < cfg.num_hidden_layers:
-                raise ValueError(f"tap layer {tap} outside 0..{cfg.num_hidden_layers - 1}")
+            if not 0 <= tap <= cfg.num_hidden_layers:
+                raise ValueError(f"tap layer {tap} outside 0..{cfg.num_hidden_layers} (L: the final normed hidden)")
         self.config = cfg
         self.tap_layers = tuple(tap_layers)
+        self.final_tap = cfg.num_hidden_layers in self.tap_layers
         self.model = Decoder(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -82,7 +86,11 @@ class CausalLM(nn.Module):
             x = layer(x, rope, plan, k_cache[i], v_cache[i])
             if i in self.tap_layers:
                 taps.append(x)
-        h = self.model.norm(x[logit_rows])  # [M, d]
+        if self.final_tap:  # every row's normed hidden is a feature; the logit rows are some of them
+            taps.append(self.model.norm(x))  # [N, d]
+            h = taps[-1][logit_rows]
+        else:
+            h = self.model.norm(x[logit_rows])  # [M, d]
         logits = self.lm_head(h).float()  # [M, V]
         features = torch.cat(taps, dim=-1) if taps else None  # [N, T*d]
         return logits, features
@@ -105,5 +113,7 @@ class CausalLM(nn.Module):
             if i in self.tap_layers:
                 taps.append(x)
         hidden = self.model.norm(x)  # [B, T, d]
+        if self.final_tap:
+            taps.append(hidden)
         return ForwardOutput(logits=self.lm_head(hidden), features=torch.cat(taps, dim=-1) if taps else None,
                              hidden=hidden)

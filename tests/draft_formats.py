@@ -18,9 +18,10 @@ TARGET_CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "
                  "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}
 
 
-def tiny_target() -> CausalLM:
+def tiny_target(taps: tuple[int, ...] = TAPS) -> CausalLM:
+    """`taps`: (LAYERS,) taps the final normed hidden (what MTP modules read)."""
     torch.manual_seed(0)
-    model = CausalLM(ModelConfig.from_dict(TARGET_CONFIG), TAPS).float()
+    model = CausalLM(ModelConfig.from_dict(TARGET_CONFIG), taps).float()
     for p in model.parameters():
         p.data.normal_(0, 0.3)
     return model.eval()

@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from drafter_worker.formats import deepspec, dflash, eagle3
+from drafter_worker.formats import deepspec, dflash, eagle3, mtp
 from services.errors import ModelLoadError
 
-FORMATS = ("dspark", "deepspec", "eagle3", "dflash")
+FORMATS = ("dspark", "deepspec", "eagle3", "dflash", *mtp.FORMATS)
 
 
 def read_config(model_dir: Path) -> dict:
@@ -33,7 +33,7 @@ def detect(raw: dict, where: str, forced: str = "auto") -> str:
     """The checkpoint's format: `forced` when given (and plausible), else from its config."""
     found = next((name for name, test in (("dspark", lambda r: "dspark_drafter" in r), ("deepspec", deepspec.matches),
                                           ("eagle3", eagle3.matches), ("dflash", dflash.matches)) if test(raw)),
-                 None)
+                 None) or mtp.matches(raw)
     if forced != "auto":
         if forced not in FORMATS:
             raise ModelLoadError(f"unknown drafter format {forced!r} (known: {', '.join(FORMATS)})")
@@ -41,6 +41,7 @@ def detect(raw: dict, where: str, forced: str = "auto") -> str:
     if found is None:
         raise ModelLoadError(f"{where}: not a drafter checkpoint of a known format (architectures "
                              f"{raw.get('architectures')}; known: dspark's own config with dspark_drafter, "
+                             "num_nextn_predict_layers with model_type deepseek_v3 / qwen3_next (MTP), "
                              f"DeepSpec {', '.join(deepspec.ARCHITECTURES)}, EAGLE-3 "
                              f"{', '.join(eagle3.ARCHITECTURES)}, z-lab/SpecForge {', '.join(dflash.ARCHITECTURES)})")
     return found
@@ -53,6 +54,8 @@ def declared_method(raw: dict, where: str, forced: str = "auto") -> str:
         return str(raw.get("dspark_drafter", {}).get("method"))
     if fmt == "eagle3":
         return "eagle3"
+    if fmt in mtp.FORMATS:
+        return "mtp"
     if fmt == "deepspec":
         return "dspark" if int(raw.get("markov_rank", 0)) > 0 else "dflash"
     return "dspark" if raw["architectures"][0] == "DSparkDraftModel" else "dflash"
