@@ -116,6 +116,8 @@ class Router:
         self.waiting += 1
         self.metrics.waiting.labels(self.model).inc()
         try:
+            if request.follows:  # before taking a running slot: the leader may still need one
+                await asyncio.shield(request.prefix.done)
             await self._slots.acquire()
         finally:
             self.waiting -= 1
@@ -127,6 +129,8 @@ class Router:
             async for chunk in self._serve(session):
                 yield chunk
         finally:
+            if request.prefix is not None and not request.prefix.done.done():  # a leader that never prefilled
+                request.prefix.done.set_result(None)
             try:  # the tiers first: the next request admitted must find this one's KV slot free
                 await asyncio.shield(self._release(session))
             finally:
@@ -146,7 +150,7 @@ class Router:
                 pre = await self._prefill(s, resume=False)
             s.first_token_s = time.perf_counter() - s.started
             self.metrics.ttft.labels(self.model).observe(s.first_token_s)
-            s.add_features(0, pre.features)
+            s.add_features(0, self._prompt_features(s, pre))
             self.planner.join(rid)  # every decoding request is an anchor in the verifier's steps
             first = self._chunk(s, *s.commit(pre.emitted, pre.logprobs))
             first.prompt_logprobs = pre.prompt_logprobs
@@ -249,16 +253,30 @@ class Router:
         self.metrics.drafter_detached.labels(self.model).inc()
 
     # ---- verifier -----------------------------------------------------------------------------
+    def _prompt_features(self, s: Session, pre: Prefilled) -> torch.Tensor | None:
+        """Features of every prompt position: a sample that copied its leader's cached prefix gets the rows
+        before `feature_start` from the leader; a leader hands its own on to its samples."""
+        prefix = s.request.prefix
+        feats = pre.features
+        if pre.feature_start:
+            feats = torch.cat([prefix.done.result()[: pre.feature_start], feats])
+        if prefix is not None and not prefix.done.done():
+            prefix.done.set_result(feats)
+        return feats
+
     async def _prefill(self, s: Session, resume: bool) -> Prefilled:
         """Prefill (or re-prefill from the committed tokens), retrying a lost verifier until the deadline."""
         deadline = time.monotonic() + self.config.verifier_retry_s
         # prompt logprobs once: a re-prefill's prompt was already answered for
         params = dataclasses.replace(s.params, max_tokens=max(1, s.remaining),
                                      prompt_logprobs=None if resume else s.params.prompt_logprobs)
+        share = {}  # a sample copies its leader's cached prompt when the leader's features are at hand
+        if not resume and s.request.follows and s.request.prefix.done.result() is not None:
+            share = {"share_prefix_of": s.request.prefix.leader}
         while True:
             try:
                 return await self.verifier.prefill(s.request.request_id, s.request.prompt_ids, params,
-                                                   s.output if resume else [], current_traceparent())
+                                                   s.output if resume else [], current_traceparent(), **share)
             except TierUnavailableError:
                 if time.monotonic() > deadline:
                     raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -26,6 +27,17 @@ class Speculation:
 
 
 @dataclass(slots=True)
+class PrefixShare:
+    """The samples of one prompt (n > 1): the leader prefills; each other sample waits for that, then prefills
+    beside it on the same verifier replica copying its cached prompt (`share_prefix_of`), and takes the
+    prompt's features from it. Only a hint for the verifier: a sample served alone gives the same output."""
+
+    leader: str  # the leader's request id
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    # → the leader's prompt features [P, T·d] (None: no taps, or its prefill failed: prefill in full)
+
+
+@dataclass(slots=True)
 class RouterRequest:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -36,6 +48,12 @@ class RouterRequest:
     # {"method", "policy", "gamma", "min_tokens_per_s"}, which `Router.generate` resolves. None: the default.
     speculative: Speculation | dict | None = None
     include_stop: bool = False  # a stop string stays in the text (vLLM's include_stop_str_in_output)
+    prefix: PrefixShare | None = None  # one of n samples of a prompt
+
+    @property
+    def follows(self) -> bool:
+        """A sample that copies its leader's prefill."""
+        return self.prefix is not None and self.prefix.leader != self.request_id
 
 
 @dataclass(slots=True)

@@ -167,6 +167,7 @@ class Prefilled:
     features: torch.Tensor | None  # [committed − 1, T*d] every position before the anchor
     logprobs: TokenLogprobs | None = None  # [len(emitted)] of the first token
     prompt_logprobs: TokenLogprobs | None = None  # [prompt − 1] of prompt tokens 1.. (none for the first)
+    feature_start: int = 0  # position of features[0]: > 0 when a sibling's cached prefix was copied
 
 
 @dataclass(slots=True)

@@ -80,7 +80,10 @@ def test_chat_streaming_with_usage_matches_non_streaming(client, tokenizer):
     ({"model": TARGET, "prompt": "x", "temperature": 5}, "temperature"),
     ({"model": TARGET, "prompt": "x", "top_p": 0}, "top_p"),
     ({"model": TARGET, "prompt": "x", "max_tokens": 2000}, "max_tokens"),
-    ({"model": TARGET, "prompt": "x", "n": 2}, "n"),
+    ({"model": TARGET, "prompt": "x", "n": 65}, "n"),
+    ({"model": TARGET, "prompt": ["x"] * 9, "n": 8}, "n"),
+    ({"model": TARGET, "prompt": "x", "n": 3, "best_of": 2}, None),
+    ({"model": TARGET, "prompt": "x", "best_of": 2, "stream": True}, None),
     ({"model": TARGET, "prompt": "x", "logprobs": 21}, "logprobs"),
     ({"model": TARGET, "prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
     ({"model": TARGET, "prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
@@ -170,7 +173,7 @@ def test_what_benchmark_clients_send_is_understood(api, client, tokenizer):
 
 
 @pytest.mark.parametrize(("extra", "field"), [
-    ({"best_of": 2}, "best_of"), ({"skip_special_tokens": False}, "skip_special_tokens"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"),
     ({"prompt_logprobs": 2}, "prompt_logprobs"), ({"suffix": "x"}, "suffix"),
 ])
 def test_sampling_fields_not_served_are_refused_by_name_and_their_noop_values_accepted(api, extra, field):
@@ -178,7 +181,7 @@ def test_sampling_fields_not_served_are_refused_by_name_and_their_noop_values_ac
     body = {"model": TARGET, "prompt": "import os\n", "max_tokens": 4, **extra}
     bad = httpx.post(url + "/v1/completions", json=body, headers=headers)
     assert bad.status_code == 400 and field in bad.json()["error"]["message"]
-    noop = {"best_of": 1, "skip_special_tokens": True, "prompt_logprobs": None, "suffix": None}[field]
+    noop = {"skip_special_tokens": True, "prompt_logprobs": None, "suffix": None}[field]
     assert httpx.post(url + "/v1/completions", json={**body, field: noop}, headers=headers).status_code == 200
 
 
@@ -247,9 +250,12 @@ def test_a_batch_of_prompts_answers_one_choice_per_prompt_in_order(client, api, 
                                     temperature=0)
     assert [c.text for c in ids.choices] == [c.text for c in out.choices[:2]]
     url, headers = api[0], {"Authorization": f"Bearer {KEY}"}
-    body = {"model": TARGET, "prompt": texts, "max_tokens": 4, "stream": True}
-    bad = httpx.post(url + "/v1/completions", json=body, headers=headers)
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"
+    stream = client.completions.create(model=TARGET, prompt=texts, max_tokens=12, temperature=0, stream=True)
+    streamed = ["", "", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in out.choices]
     too_long = httpx.post(url + "/v1/completions", headers=headers,
                           json={"model": TARGET, "prompt": ["x", "y " * 600], "max_tokens": 4})
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"

@@ -111,3 +111,46 @@ def test_include_stop_str_in_output(client):
     kept = client.completions.create(model=TARGET, prompt="import os\n", max_tokens=30, temperature=0, stop=["\n"],
                                      extra_body={"include_stop_str_in_output": True})
     assert kept.choices[0].text == base.choices[0].text + "\n"
+
+
+# Seeded sampling reproduces a sample only without speculation: with drafts, which uniforms a sample draws
+# depends on the verify lengths, which follow the load (still exact in distribution, as the χ² tests check).
+PLAIN = {"speculative": {"method": "none"}}
+
+
+def test_n_samples_each_equal_the_request_with_seed_plus_j(client):
+    body = {"model": TARGET, "prompt": PROMPT, "max_tokens": 16, "temperature": 1.0, "seed": 40, "extra_body": PLAIN}
+    out = client.completions.create(**body, n=3)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    alone = [client.completions.create(**{**body, "seed": 40 + j}).choices[0].text for j in range(3)]
+    assert [c.text for c in out.choices] == alone
+    assert len(set(alone)) > 1  # really different samples
+    assert out.usage.prompt_tokens == client.completions.create(**body).usage.prompt_tokens  # counted once
+    greedy = client.chat.completions.create(model=TARGET, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                            max_tokens=8, temperature=0)  # speculative: DSpark drafts
+    assert [c.index for c in greedy.choices] == [0, 1]
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+
+
+def test_n_samples_stream_with_their_choice_index(client):
+    body = {"model": TARGET, "prompt": PROMPT, "max_tokens": 16, "temperature": 1.0, "seed": 7, "n": 2,
+            "extra_body": PLAIN}
+    full = client.completions.create(**body)
+    texts = ["", ""]
+    for chunk in client.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in full.choices]
+
+
+def test_best_of_returns_the_samples_with_the_highest_cumulative_logprob(client):
+    body = {"model": TARGET, "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 11, "logprobs": 0,
+            "extra_body": PLAIN}
+    samples = [client.completions.create(**{**body, "seed": 11 + j}).choices[0] for j in range(4)]
+    scores = [sum(c.logprobs.token_logprobs) for c in samples]
+    best = client.completions.create(**body, n=2, best_of=4)
+    ranked = sorted(range(4), key=lambda j: -scores[j])[:2]
+    assert [c.text for c in best.choices] == [samples[j].text for j in ranked]
+    assert [c.index for c in best.choices] == [0, 1]
+    no_logprobs = client.completions.create(**{k: v for k, v in body.items() if k != "logprobs"}, best_of=4)
+    assert no_logprobs.choices[0].text == samples[ranked[0]].text and no_logprobs.choices[0].logprobs is None

@@ -9,7 +9,7 @@ from protos import codec
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.generate import drift
 from services.errors import InvalidRequestError
-from services.types import DraftBlock, OutcomeKind, SamplingParams, StepOutput
+from services.types import DraftBlock, OutcomeKind, SamplingParams, StepOutput, TokenLogprobs
 
 
 def test_generated_code_matches_the_proto():
@@ -46,6 +46,17 @@ def test_outcome_and_params_round_trip():
     assert torch.equal(back.features, out.features)
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=3, max_tokens=11)
     assert codec.params_from_pb(codec.params_to_pb(params)) == params
+    processed = SamplingParams(repetition_penalty=1.5, frequency_penalty=-0.5, presence_penalty=0.25, min_p=0.5,
+                               min_tokens=3, logit_bias=((2, 1.5), (9, -4.0)), stop_token_ids=(0, 7), logprobs=0,
+                               prompt_logprobs=5)
+    assert codec.params_from_pb(codec.params_to_pb(processed)) == processed
+    lp = TokenLogprobs([-0.5, -1.25], [[3, 4], [5, 6]], [[-0.5, -1.0], [-0.25, -2.0]])
+    out.logprobs = lp
+    assert codec.outcome_from_pb(codec.outcome_to_pb(out, 10, torch.float32)).logprobs == lp
+    with pytest.raises(InvalidRequestError):  # top arrays not [n × top]
+        codec.logprobs_from_pb(pb.TokenLogprobs(logprobs=[-1.0], top=2, top_ids=[1], top_logprobs=[-1.0]), True)
+    with pytest.raises(InvalidRequestError):
+        codec.params_from_pb(pb.SamplingParams(max_tokens=4, frequency_penalty=3.0))
 
 
 def test_malformed_messages_are_invalid_arguments():

@@ -21,10 +21,18 @@ from services.compiled_step import CompiledStep
 from services.errors import CapacityError, InvalidRequestError
 from services.layers import RaggedLayout
 from services.model import CausalLM
-from services.processors import RowContext
-from services.sampling import accept_greedy, accept_stochastic, draft_q, logits_to_probs, sample, token_logprobs
+from services.sampling import accept_greedy, accept_stochastic, draft_q, logits_to_probs, sample
 from services.types import DraftBlock, OutcomeKind, SamplingParams, StepOutput
 from verifier_worker.kv_cache import KVCache
+from verifier_worker.work import (
+    EngineRequest,
+    WorkItem,
+    add_logprobs,
+    first_token_row,
+    logit_positions,
+    row_contexts,
+    samples_first,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,42 +44,6 @@ class EngineConfig:
     # Run the step forward under torch.compile (services/compiled_step.py): one graph for every step,
     # compiled and warmed here, before the first request. Off: eager, no start-up cost.
     compile: bool = False
-
-
-@dataclass(slots=True)
-class _Request:
-    request_id: str
-    params: SamplingParams
-    tokens: list[int]  # committed: prompt, then emitted tokens (the last is the anchor)
-    prompt_len: int  # positions to prefill: the prompt, or prompt + resumed tokens but the anchor
-    num_prompt: int  # the request's own prompt (what processors count as prompt, the rest is output)
-    generator: torch.Generator | None
-    prefilled: int = 0  # prompt positions in the cache
-    resumed: bool = False  # re-prefilled from committed tokens: the anchor is given, nothing is sampled
-    pending: DraftBlock | None = None  # the cycle submitted for the next step (may be empty)
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.prefilled < self.prompt_len
-
-    @property
-    def prompt(self) -> list[int]:
-        return self.tokens[: self.num_prompt]
-
-    @property
-    def output(self) -> list[int]:
-        return self.tokens[self.num_prompt :]
-
-
-@dataclass(slots=True)
-class _Item:
-    """One request's share of a step."""
-
-    request: _Request
-    new_tokens: list[int]
-    start: int  # cache position of new_tokens[0]
-    draft: DraftBlock | None  # None for a prefill chunk
-    logit_offset: int = -1  # first logits row of this item, -1 when it needs none
 
 
 class Engine:
@@ -89,8 +61,8 @@ class Engine:
             if not isinstance(model, CausalLM):
                 raise ValueError("compile needs a CausalLM (not a tensor-parallel driver)")
             self._forward = CompiledStep(model, max_len, self.config.num_slots)
-        self._running: OrderedDict[str, _Request] = OrderedDict()
-        self._waiting: deque[_Request] = deque()
+        self._running: OrderedDict[str, EngineRequest] = OrderedDict()
+        self._waiting: deque[EngineRequest] = deque()
         self.last_batch_tokens = 0  # tokens in the last step's forward (the load board's batch_tokens)
 
     # ---- requests -----------------------------------------------------------------------------
@@ -104,11 +76,13 @@ class Engine:
         return self.cache.max_len
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    resume_ids: list[int] | tuple[int, ...] = ()) -> None:
+                    resume_ids: list[int] | tuple[int, ...] = (), share_prefix_of: str = "") -> None:
         """Admit a request; it prefills when a slot is free. Refuses bad input and a full queue.
 
         `resume_ids` are tokens already emitted elsewhere (a lost verifier): the prefill covers the prompt
         and all of them but the last, which becomes the anchor; `params.max_tokens` counts what is left.
+        `share_prefix_of`: a running request with the same prompt (a sibling sample) whose cached prompt
+        but its last position is copied when the slot is taken; only a hint (see `_share_prefix`).
         """
         if request_id in self._running or any(r.request_id == request_id for r in self._waiting):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -130,8 +104,8 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
         prefill_len = len(tokens) - 1 if resume_ids else len(tokens)
-        self._waiting.append(_Request(request_id, params, tokens, prefill_len, len(prompt_ids), generator,
-                                      resumed=bool(resume_ids)))
+        self._waiting.append(EngineRequest(request_id, params, tokens, prefill_len, len(prompt_ids), generator,
+                                           resumed=bool(resume_ids), share_from=share_prefix_of))
 
     def submit(self, request_id: str, draft: DraftBlock | None = None) -> int:
         """Queue one cycle for the next step → the verify length ℓ actually used.
@@ -196,25 +170,40 @@ class Engine:
         logits, features = self._execute(items)
         return self._update(items, logits, features)
 
-    def _schedule(self) -> list[_Item]:
+    def _schedule(self) -> list[WorkItem]:
         while self._waiting and self.cache.has_free_slot():
             req = self._waiting.popleft()
             self.cache.allocate(req.request_id)
             self._running[req.request_id] = req
+            self._share_prefix(req)
         items = []
         for req in self._running.values():
             if req.pending is not None:
                 start = len(req.tokens) - 1
-                items.append(_Item(req, [req.tokens[-1], *req.pending.tokens], start, req.pending))
+                items.append(WorkItem(req, [req.tokens[-1], *req.pending.tokens], start, req.pending))
         budget = self.config.max_batch_tokens - sum(len(it.new_tokens) for it in items)
         for req in self._running.values():
             if req.in_prefill and budget > 0:
                 chunk = req.tokens[req.prefilled : min(req.prompt_len, req.prefilled + budget)]
-                items.append(_Item(req, chunk, req.prefilled, None))
+                items.append(WorkItem(req, chunk, req.prefilled, None))
                 budget -= len(chunk)
         return items
 
-    def _execute(self, items: list[_Item]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _share_prefix(self, req: EngineRequest) -> None:
+        """Copy the sibling's cached prompt but its last position, when it is usable: running, past that
+        point of its prefill, with the same tokens there. The last prompt position is computed here, so the
+        first token is sampled from this request's own step with its own generator; whether a prefix is
+        shared never depends on anything the output could (only on the prompt and the sibling's state)."""
+        shared = req.prompt_len - 1
+        src = self._running.get(req.share_from) if req.share_from else None
+        if req.resumed or shared < 1 or src is None or src.prefilled < shared:
+            return
+        if src.tokens[:shared] != req.tokens[:shared]:
+            return
+        self.cache.copy_prefix(src.request_id, req.request_id, shared)
+        req.prefilled = shared
+
+    def _execute(self, items: list[WorkItem]) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids, positions, logit_rows = [], [], []
         layout = RaggedLayout(slots=[], starts=[], lens=[])
         for it in items:
@@ -225,7 +214,7 @@ class Engine:
             row0 = len(ids)
             ids.extend(it.new_tokens)
             positions.extend(range(start, start + len(it.new_tokens)))
-            wanted = self._logit_positions(it)
+            wanted = logit_positions(it)
             if wanted:
                 it.logit_offset = len(logit_rows)
                 logit_rows.extend(row0 + k for k in wanted)
@@ -240,38 +229,9 @@ class Engine:
         )
         return out.logits, out.features
 
-    @staticmethod
-    def _samples_first(it: _Item) -> bool:
-        """A prefill chunk whose last row gives the request's first token (the prompt's last chunk)."""
-        req = it.request
-        return it.draft is None and it.start + len(it.new_tokens) == req.prompt_len and not req.resumed
-
-    @classmethod
-    def _logit_positions(cls, it: _Item) -> range:
-        n = len(it.new_tokens)
-        if it.draft is not None:
-            return range(n)  # p_1..p_{ℓ+1}
-        if it.request.params.prompt_logprobs is not None and not it.request.resumed:
-            return range(n)  # every prompt row predicts the next prompt token (the last: the first output)
-        return range(n - 1, n) if cls._samples_first(it) else range(0)
-
-    def _row_contexts(self, items: list[_Item]) -> list[RowContext | None]:
-        """Per logits row, what its processors read (None: a row that samples nothing, or no processors)."""
-        rows: list[RowContext | None] = []
-        for it in items:
-            req, count = it.request, len(self._logit_positions(it))
-            if not count or not processors.active(req.params):
-                rows += [None] * count
-            elif it.draft is None:  # only the row giving the first token samples
-                rows += [None] * (count - 1) + [RowContext(req.params, req.prompt, [])]
-            else:
-                output = req.output
-                rows += [RowContext(req.params, req.prompt, output + it.draft.tokens[:k]) for k in range(count)]
-        return rows
-
-    def _update(self, items: list[_Item], logits: torch.Tensor, features: torch.Tensor | None) -> list[StepOutput]:
+    def _update(self, items: list[WorkItem], logits: torch.Tensor, features: torch.Tensor | None) -> list[StepOutput]:
         raw = logits  # logprobs are of the raw distribution (vLLM's raw_logprobs)
-        logits = processors.apply(logits, self._row_contexts(items))  # [M, V]
+        logits = processors.apply(logits, row_contexts(items))  # [M, V]
         probs = self._target_probs(items, logits)  # [M, V]
         argmax = logits.argmax(-1).tolist()  # [M]
         outputs, row = [], 0
@@ -282,24 +242,11 @@ class Engine:
                 outputs.append(self._finish_prefill_chunk(it, probs, argmax, feats))
             else:
                 outputs.append(self._finish_verify(it, probs, argmax, feats))
-            self._add_logprobs(it, outputs[-1], raw)
+            add_logprobs(it, outputs[-1], raw)
         return outputs
 
-    def _add_logprobs(self, it: _Item, out: StepOutput, raw: torch.Tensor) -> None:
-        """Row j of a verify item predicted emitted[j]; a prefill row at position p predicted token p + 1."""
-        params, req = it.request.params, it.request
-        if params.logprobs is not None and out.emitted:
-            first = it.logit_offset + (len(self._logit_positions(it)) - 1 if it.draft is None else 0)
-            rows = list(range(first, first + len(out.emitted)))
-            out.logprobs = token_logprobs(raw, rows, out.emitted, params.logprobs)
-        if it.draft is None and params.prompt_logprobs is not None and it.logit_offset >= 0:
-            count = min(len(it.new_tokens), req.num_prompt - 1 - it.start)  # rows whose next token is prompt
-            rows = list(range(it.logit_offset, it.logit_offset + count))
-            targets = req.tokens[it.start + 1 : it.start + 1 + count]
-            out.prompt_logprobs = token_logprobs(raw, rows, targets, params.prompt_logprobs)
-
-    def _target_probs(self, items: list[_Item], logits: torch.Tensor) -> torch.Tensor | None:
-        params = [it.request.params for it in items for _ in self._logit_positions(it)]
+    def _target_probs(self, items: list[WorkItem], logits: torch.Tensor) -> torch.Tensor | None:
+        params = [it.request.params for it in items for _ in logit_positions(it)]
         if all(p.greedy for p in params):
             return None
         dev = logits.device
@@ -311,12 +258,12 @@ class Engine:
             torch.tensor([p.min_p for p in params], device=dev),
         )
 
-    def _finish_prefill_chunk(self, it: _Item, probs, argmax, feats) -> StepOutput:
+    def _finish_prefill_chunk(self, it: WorkItem, probs, argmax, feats) -> StepOutput:
         req = it.request
         req.prefilled += len(it.new_tokens)
         out = StepOutput(req.request_id, emitted=[], feature_start=it.start, features=feats)
-        if self._samples_first(it):
-            r = it.logit_offset + len(self._logit_positions(it)) - 1  # the chunk's last row
+        if samples_first(it):
+            r = first_token_row(it)
             token = argmax[r] if req.params.greedy else int(sample(probs[r : r + 1], req.generator)[0])
             req.tokens.append(token)
             out.emitted, out.kind = [token], OutcomeKind.FIRST
@@ -324,7 +271,7 @@ class Engine:
             out.kind = OutcomeKind.FIRST  # ready to verify from the given anchor; nothing new emitted
         return out
 
-    def _finish_verify(self, it: _Item, probs, argmax, feats) -> StepOutput:
+    def _finish_verify(self, it: WorkItem, probs, argmax, feats) -> StepOutput:
         req, draft = it.request, it.draft
         rows = slice(it.logit_offset, it.logit_offset + len(draft) + 1)
         if req.params.greedy:

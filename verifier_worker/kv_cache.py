@@ -90,6 +90,15 @@ class KVCache:
         self._length[request_id] = start + num_tokens
         return self._slot[request_id], start
 
+    def copy_prefix(self, source_id: str, request_id: str, length: int) -> None:
+        """Give `request_id` (just allocated) the first `length` cached positions of `source_id` (same prompt)."""
+        if not 0 < length <= self.length(source_id) or self.length(request_id):
+            raise InvalidRequestError(f"cannot copy {length} positions of {source_id!r} to {request_id!r}")
+        src, dst = self._slot[source_id], self._slot[request_id]
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        self._length[request_id] = length
+
     def truncate(self, request_id: str, length: int) -> None:
         """Keep the first `length` positions (rollback of rejected drafts)."""
         if not 0 <= length <= self.length(request_id):

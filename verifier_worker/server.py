@@ -34,13 +34,14 @@ class VerifierServicer(rpc.VerifierServicer):
                 dtype = codec.wire_dtype(request.feature_dtype)
                 params = validate.params(request.params)
                 done = await self.service.prefill(validate.request_id(request.request_id), list(request.prompt_ids),
-                                                  params, list(request.resume_ids))
+                                                  params, list(request.resume_ids), request.share_prefix_of)
             except Exception as error:
                 await abort_with(context, error)
             return pb.PrefillReply(request_id=request.request_id, cycle=0, emitted=done.emitted,
                                    committed=done.committed, features=codec.tensor_to_pb(done.features, dtype),
                                    logprobs=codec.logprobs_to_pb(done.logprobs),
-                                   prompt_logprobs=codec.logprobs_to_pb(done.prompt_logprobs))
+                                   prompt_logprobs=codec.logprobs_to_pb(done.prompt_logprobs),
+                                   feature_start=done.feature_start)
 
     async def Verify(self, request_iterator, context: grpc.aio.ServicerContext):
         async for reply in session_stream(request_iterator, context, self.service, self._verify_one, "Verify"):

@@ -43,6 +43,7 @@ class _Session:
     prefilled: bool = False
     features: list[torch.Tensor] = field(default_factory=list)  # prefill chunks so far
     prompt_logprobs: TokenLogprobs | None = None  # prefill chunks so far, when asked for
+    feature_start: int = 0  # position of the first prefill chunk (> 0 after a shared prefix)
     waiter: asyncio.Future | None = None
 
 
@@ -56,12 +57,12 @@ class VerifierService(TierLoop):
 
     # ---- session calls ------------------------------------------------------------------------
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      resume_ids: list[int] | None = None) -> Prefilled:
+                      resume_ids: list[int] | None = None, share_prefix_of: str = "") -> Prefilled:
         self._check_open()
         async with self._lock:
             if request_id in self._sessions:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            self.engine.add_request(request_id, prompt_ids, params, resume_ids or ())
+            self.engine.add_request(request_id, prompt_ids, params, resume_ids or (), share_prefix_of)
             session = self._sessions[request_id] = _Session()
             session.waiter = asyncio.get_running_loop().create_future()
         self._wake.set()
@@ -74,8 +75,9 @@ class VerifierService(TierLoop):
         prompt_logprobs, session.prompt_logprobs = session.prompt_logprobs, None
         session.features, session.prefilled = [], True
         committed = len(prompt_ids) + len(resume_ids or ()) + len(out.emitted)
-        return Prefilled(out.emitted, committed, None if feats is None else feats[: committed - 1], out.logprobs,
-                         prompt_logprobs)
+        rows = committed - 1 - session.feature_start
+        return Prefilled(out.emitted, committed, None if feats is None else feats[:rows], out.logprobs,
+                         prompt_logprobs, session.feature_start)
 
     async def verify(self, request_id: str, cycle: int, draft: DraftBlock | None) -> Verified:
         self._check_open()
@@ -150,6 +152,8 @@ class VerifierService(TierLoop):
             return
         if out.kind is None or out.kind is OutcomeKind.FIRST:
             if out.features is not None:
+                if not session.features:
+                    session.feature_start = out.feature_start
                 session.features.append(out.features)
             if out.prompt_logprobs is not None:
                 session.prompt_logprobs = session.prompt_logprobs or TokenLogprobs()
@@ -174,8 +178,8 @@ class LocalVerifier:
     def __init__(self, service: VerifierService, profile: VerifierProfile | None = None):
         self.service, self._profile = service, profile or VerifierProfile("local")
 
-    async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent) -> Prefilled:
-        return await self.service.prefill(request_id, prompt_ids, params, resume_ids)
+    async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of="") -> Prefilled:
+        return await self.service.prefill(request_id, prompt_ids, params, resume_ids, share_prefix_of)
 
     async def verify(self, request_id, cycle, draft, traceparent) -> Verified:
         return await self.service.verify(request_id, cycle, draft)

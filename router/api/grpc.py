@@ -6,7 +6,7 @@ import contextlib
 
 import grpc
 
-from protos import validate
+from protos import codec, validate
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.status import abort_with
@@ -33,7 +33,8 @@ class RouterServicer(rpc.RouterServicer):
                 async for c in chunks:
                     yield pb.GenerateChunk(request_id=client_id, token_ids=c.token_ids, text=c.text,
                                            finish_reason=str(c.finish_reason or ""), prompt_tokens=c.prompt_tokens,
-                                           completion_tokens=c.completion_tokens, cycle=c.cycle)
+                                           completion_tokens=c.completion_tokens, cycle=c.cycle,
+                                           logprobs=codec.logprobs_to_pb(c.logprobs))
         except Exception as error:
             await abort_with(context, error)
 

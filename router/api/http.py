@@ -27,23 +27,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 
-from router.api.admission import Admission
-from router.api.errors import ApiError, documented, error_response, install_error_handlers, known_error
-from router.api.openai import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-    ModelList,
-    Output,
-    ResponseShape,
-)
+from router.api.choices import MergedFeed, best
+from router.api.errors import documented, error_response, install_error_handlers, known_error
+from router.api.http_admission import HttpAdmission
+from router.api.openai import ChatCompletionRequest, CompletionRequest
+from router.api.responses import ChatCompletionResponse, CompletionResponse, ModelList, Output, ResponseShape
 from router.api.stream import ChunkFeed
 from router.api.vllm_compat import ROUTES as VLLM_ROUTES
 from router.api.vllm_compat import add_routes as add_vllm_routes
 from router.router import Router
 from router.session import Chunk, RouterRequest
-from services.chat_template import render
 from services.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -131,41 +124,12 @@ class Health(BaseModel):
     tiers: dict[str, bool]
 
 
-class HttpAdmission:
-    """An OpenAI body → a `RouterRequest` (the shared `Admission`), or the 400 that says why not."""
-
-    def __init__(self, router: Router, tokenizer: TextTokenizer, config: ApiConfig):
-        self.config, self.admit = config, Admission(router, tokenizer, config.max_model_len)
-
-    def __call__(self, body: CompletionRequest | ChatCompletionRequest, request_id: str) -> list[RouterRequest]:
-        """One router request per prompt (a completions batch: `{id}-{i}`), all checked before any runs."""
-        if body.model != self.config.model:
-            raise ApiError(400, f"model {body.model!r} does not exist; this server serves {self.config.model!r}",
-                           "model", "model_not_found")
-        if isinstance(body, ChatCompletionRequest):
-            prompts = [self.admit.encode(render([m.as_turn() for m in body.messages], add_generation_prompt=True),
-                                         "messages")]
-        else:
-            prompts = [self.admit.encode(p, "prompt") if isinstance(p, str) else self.admit.token_ids(p, "prompt")
-                       for p in body.prompts()]
-            if len(prompts) > 1 and body.stream:
-                raise ApiError(400, "streaming a batch of prompts is not supported; send them one per request",
-                               "stream")
-        spec = body.speculative.model_dump(exclude_none=True) if body.speculative else None
-        requests = []
-        for i, prompt_ids in enumerate(prompts):
-            max_tokens = self.admit.max_tokens(body.wanted_tokens(), len(prompt_ids), body.prompt_param)
-            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            requests.append(self.admit(prompt_ids, body.sampling(max_tokens), rid, body.stops(),
-                                       body.stop_token_ids or [], body.ignore_eos, spec,
-                                       body.include_stop_str_in_output))
-        return requests
-
-
-async def _prepend(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
-    yield first
-    async for chunk in rest:
-        yield chunk
+async def _prepend(firsts: list[Chunk], rest: AsyncIterator[tuple[int, Chunk]]
+                   ) -> AsyncIterator[tuple[int, Chunk]]:
+    for index, chunk in enumerate(firsts):
+        yield index, chunk
+    async for item in rest:
+        yield item
 
 
 def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
@@ -176,34 +140,39 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
     app.add_middleware(Gatekeeper, digests=digests, max_body_bytes=config.max_body_bytes)
     install_error_handlers(app)
     add_vllm_routes(app, router, tokenizer, config.model, config.max_model_len)
-    admit = HttpAdmission(router, tokenizer, config)
+    admit = HttpAdmission(router, tokenizer, config.model, config.max_model_len)
 
     async def respond(body: CompletionRequest | ChatCompletionRequest, request: Request, kind: str):
-        reqs = admit(body, request.state.request_id)
-        req = reqs[0]
+        groups = admit(body, request.state.request_id)  # per prompt, its samples
+        reqs = [r for group in groups for r in group]
         shape = ResponseShape(kind, f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{request.state.request_id}",
-                              config.model, tokenizer, req.params.logprobs is not None,
+                              config.model, tokenizer, body.wants_logprobs(),
                               isinstance(body, CompletionRequest) and body.echo)
         op = "text_completion" if kind == "completion" else "chat"
         span = tracer.start_span(f"{op} {config.model}", attributes={
             "gen_ai.operation.name": op, "gen_ai.request.model": config.model, "gen_ai.request.stream": body.stream,
-            "dspark.http_request_id": request.state.request_id})
+            "dspark.http_request_id": request.state.request_id, "gen_ai.request.choice.count": len(reqs)})
+        prompt_tokens = sum(len(group[0].prompt_ids) for group in groups)
         if body.stream:
-            with trace.use_span(span):  # the feed's task inherits the span as its parent
-                feed = ChunkFeed(router.generate(req))
+            with trace.use_span(span):  # the feeds' tasks inherit the span as their parent
+                feed = MergedFeed([ChunkFeed(router.generate(r)) for r in reqs])
             try:
-                first = await feed.first()  # refused before its first token: a status code, not a 200
+                firsts = await feed.firsts()  # refused before a first token: a status code, not a 200
             except Exception:
                 span.end()
                 raise
-            return EventSourceResponse(_stream(req, shape, body, span, feed, first), ping=config.keepalive_s,
-                                       sep="\n")
+            return EventSourceResponse(_stream(reqs, shape, body, span, feed, firsts, prompt_tokens),
+                                       ping=config.keepalive_s, sep="\n")
         with trace.use_span(span, end_on_exit=True):  # errors go to http_errors' handlers
             outputs = await collect_all(reqs)
-            return shape.full(outputs, sum(len(r.prompt_ids) for r in reqs), sum(len(o.token_ids) for o in outputs))
+            chosen = []  # prompt-major: each prompt's n choices (best_of: the n best of its samples)
+            for i, group in enumerate(groups):
+                mine = outputs[i * len(group) : (i + 1) * len(group)]
+                chosen += best(mine, body.n) if len(group) > body.n else mine
+            return shape.full(chosen, prompt_tokens, sum(len(o.token_ids) for o in outputs))
 
     async def collect_all(reqs: list[RouterRequest]) -> list[Output]:
-        """A batch side by side; the first failure cancels the rest and is what the client gets."""
+        """Side by side; the first failure cancels the rest and is what the client gets."""
         if len(reqs) == 1:
             return [await collect(reqs[0])]
         try:
@@ -221,26 +190,27 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
                 out.add(chunk)
         return out
 
-    async def _stream(req: RouterRequest, shape: ResponseShape, body, span, feed: ChunkFeed, first):
+    async def _stream(reqs: list[RouterRequest], shape: ResponseShape, body, span, feed: MergedFeed,
+                      firsts: list[Chunk], prompt_tokens: int):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        completion = 0
+        completion = [0] * len(reqs)
         with trace.use_span(span, end_on_exit=True):
             try:
-                async for chunk in _prepend(first, feed.rest()):
-                    completion = chunk.completion_tokens
+                async for index, chunk in _prepend(firsts, feed.rest()):
+                    completion[index] = chunk.completion_tokens
                     # a chunk of tokens whose text is held back still carries their logprobs
                     if chunk.text or chunk.finish_reason is not None or (shape.fmt and chunk.token_ids):
-                        yield json.dumps(shape.chunk(chunk, req.prompt_ids))
+                        yield json.dumps(shape.chunk(chunk, reqs[index].prompt_ids, index))
             except Exception as error:
                 status, error_chunk = known_error(error)
                 if status == 500:
-                    log.exception("request %s failed", req.request_id)
+                    log.exception("request %s failed", reqs[0].request_id)
                 yield json.dumps(error_chunk)
                 return
             finally:
                 await feed.close()  # the client left midway: stop generating, free the tiers
             if include_usage:
-                yield json.dumps(shape.usage_chunk(len(req.prompt_ids), completion))
+                yield json.dumps(shape.usage_chunk(prompt_tokens, sum(completion)))
             yield "[DONE]"
 
     generation_errors = documented(400, 401, 413, 429, 503)

@@ -9,20 +9,15 @@ OpenAI-shaped 400s in `http_errors.py`.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from protos.validate import MAX_STOP_STRINGS
 from protos.validate import MIN_TEMPERATURE as GREEDY_BELOW
-from router.api.logprobs import LogprobFormat
-from router.session import Chunk
-from services.tokenizer import TextTokenizer
-from services.types import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, SamplingParams, TokenLogprobs
+from services.types import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, SamplingParams
 
-MAX_BATCH = 64  # prompts in one completions request
+MAX_BATCH = 64  # prompts in one completions request, and choices (prompts × samples) in one request
 MAX_STOP_CHARS = 256  # each cycle matches every prefix of every stop string: quadratic in its length
 MAX_STOP_TOKEN_IDS = 64  # below the gRPC cap (protos.validate, 256): the HTTP API publishes 64 (docs/security.md)
 
@@ -63,7 +58,7 @@ class SpeculativeOptions(_Body):
 
 
 # Sampling fields of OpenAI / vLLM not served yet, with the value that asks for nothing (accepted as such).
-UNSERVED = {"best_of": 1, "skip_special_tokens": True, "use_beam_search": False, "length_penalty": 1.0,
+UNSERVED = {"skip_special_tokens": True, "use_beam_search": False, "length_penalty": 1.0,
             "suffix": None, "response_format": None, "tools": None, "tool_choice": None, "guided_json": None,
             "guided_regex": None, "guided_choice": None, "guided_grammar": None, "prompt_logprobs": None}
 
@@ -78,7 +73,7 @@ class _Common(_Body):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    n: int = Field(1, ge=1, le=MAX_BATCH, description="choices per prompt (samples j use seed + j)")
     ignore_eos: bool = False
     # Logits processors (services/processors.py), applied inside verification: speculative output stays exact.
     repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_PENALTY)
@@ -120,6 +115,13 @@ class _Common(_Body):
         """(top alternatives per output token, per prompt token); None = not asked for."""
         return None, None
 
+    def samples(self) -> int:
+        """Samples generated per prompt (best_of of them, when more than the n returned)."""
+        return self.n
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None and self.logprobs is not False
+
     def sampling(self, max_tokens: int) -> SamplingParams:
         logprobs, prompt_logprobs = self.logprob_counts()
         bias = tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
@@ -140,10 +142,25 @@ class CompletionRequest(_Common):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top alternatives per token")
     echo: bool = Field(False, description="the prompt before the completion (with logprobs: the prompt's too)")
+    best_of: int | None = Field(None, ge=1, le=MAX_BATCH, description="samples per prompt, of which the n with "
+                                "the highest cumulative logprob are returned")
     prompt_param: ClassVar[str] = "prompt"  # the field a context-length error names
 
+    @model_validator(mode="after")
+    def _best_of_rules(self):  # OpenAI's and vLLM's rules
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.stream and self.samples() > self.n:
+            raise ValueError("best_of cannot be streamed (the choices are known only at the end)")
+        return self
+
     def logprob_counts(self) -> tuple[int | None, int | None]:
-        return self.logprobs, self.logprobs if self.echo else None
+        # ranking best_of samples needs each token's logprob, asked for or not
+        ranked = 0 if self.samples() > self.n else None
+        return (self.logprobs if self.logprobs is not None else ranked), self.logprobs if self.echo else None
+
+    def samples(self) -> int:
+        return self.best_of or self.n
 
     @field_validator("prompt")
     @classmethod
@@ -208,165 +225,3 @@ class ChatCompletionRequest(_Common):
 
     def wanted_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: str | None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"]
-    content: str
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob]
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None
-    finish_reason: str | None
-
-
-class CompletionResponse(BaseModel):
-    """The documented 200 body (built as a dict by `ResponseShape`); `stream: true` answers SSE chunks instead."""
-
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-
-
-class ChatCompletionResponse(CompletionResponse):
-    object: Literal["chat.completion"]
-    choices: list[ChatChoice]
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-    root: str  # vLLM's client reads it
-    parent: str | None
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-@dataclass(slots=True)
-class Output:
-    """One choice, collected: its text, finish reason and tokens (with their logprobs when asked for)."""
-
-    prompt_ids: list[int]
-    text: str = ""
-    finish: str | None = None
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: TokenLogprobs | None = None
-    prompt_logprobs: TokenLogprobs | None = None
-
-    def add(self, chunk: Chunk) -> None:
-        self.text += chunk.text
-        self.finish = str(chunk.finish_reason) if chunk.finish_reason is not None else self.finish
-        self.token_ids += chunk.token_ids
-        if chunk.logprobs is not None:
-            self.logprobs = self.logprobs or TokenLogprobs()
-            self.logprobs.extend(chunk.logprobs)
-        self.prompt_logprobs = chunk.prompt_logprobs or self.prompt_logprobs
-
-
-class ResponseShape:
-    """Builds the response and stream-chunk bodies of one request (completion or chat)."""
-
-    def __init__(self, kind: Literal["completion", "chat"], request_id: str, model: str, tokenizer: TextTokenizer,
-                 logprobs: bool = False, echo: bool = False):
-        """`logprobs`: the request asks for them; `echo`: completions with the prompt before the output."""
-        self.kind, self.id, self.model, self.tokenizer, self.echo = kind, request_id, model, tokenizer, echo
-        self.fmt = LogprobFormat(tokenizer) if logprobs else None
-        self.created = int(time.time())
-        self.sent_role = False
-        self._offset = 0  # characters streamed so far (completions' text_offset)
-
-    def _envelope(self, obj: str, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-
-    def _completion(self, index: int, out: Output, offset: int, with_prompt: bool) -> dict:
-        prompt_text = self.tokenizer.decode(out.prompt_ids) if with_prompt else ""
-        logprobs = None
-        if self.fmt is not None:
-            prompt = (out.prompt_ids, out.prompt_logprobs) if with_prompt else None
-            logprobs = self.fmt.completion(out.token_ids, out.logprobs, offset, prompt)
-        return {"index": index, "text": prompt_text + out.text, "logprobs": logprobs, "finish_reason": out.finish}
-
-    def full(self, outputs: list[Output], prompt_tokens: int, completion_tokens: int) -> dict:
-        """One choice per output, indexed in order."""
-        if self.kind == "completion":
-            choices = [self._completion(i, out, 0, self.echo) for i, out in enumerate(outputs)]
-            body = self._envelope("text_completion", choices)
-        else:
-            choices = [{"index": i, "message": {"role": "assistant", "content": out.text},
-                        "logprobs": None if self.fmt is None else self.fmt.chat(out.token_ids, out.logprobs),
-                        "finish_reason": out.finish} for i, out in enumerate(outputs)]
-            body = self._envelope("chat.completion", choices)
-        body["usage"] = usage(prompt_tokens, completion_tokens)
-        return body
-
-    def chunk(self, chunk: Chunk, prompt_ids: list[int]) -> dict:
-        out = Output(prompt_ids)
-        out.add(chunk)
-        if self.kind == "completion":
-            first = not self.sent_role
-            self.sent_role = True
-            choice = self._completion(0, out, self._offset, self.echo and first)
-            self._offset += len(choice["text"])
-            return self._envelope("text_completion", [choice])
-        delta: dict = {"content": chunk.text}
-        if not self.sent_role:
-            delta, self.sent_role = {"role": "assistant", **delta}, True
-        logprobs = None if self.fmt is None else self.fmt.chat(out.token_ids, out.logprobs)
-        return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": logprobs,
-                                                         "finish_reason": out.finish}])
-
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
-        obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
-        body = self._envelope(obj, [])
-        body["usage"] = usage(prompt_tokens, completion_tokens)
-        return body

@@ -97,13 +97,16 @@ class GrpcVerifier:
         self.stub = rpc.VerifierStub(self.channel)
         self._streams = _StreamPool(address, self.stub.Verify, timeout_s)
 
-    async def prefill(self, request_id, prompt_ids, params: SamplingParams, resume_ids, traceparent) -> Prefilled:
+    async def prefill(self, request_id, prompt_ids, params: SamplingParams, resume_ids, traceparent,
+                      share_prefix_of: str = "") -> Prefilled:
         msg = pb.PrefillRequest(request_id=request_id, prompt_ids=prompt_ids, params=codec.params_to_pb(params),
-                                resume_ids=resume_ids, feature_dtype=self.feature_dtype, traceparent=traceparent)
+                                resume_ids=resume_ids, feature_dtype=self.feature_dtype, traceparent=traceparent,
+                                share_prefix_of=share_prefix_of)
         reply = await _unary(self.address, self.stub.Prefill, msg, self.timeout_s)
         return Prefilled(list(reply.emitted), reply.committed, codec.tensor_from_pb(reply.features),
                          codec.logprobs_from_pb(reply.logprobs, reply.HasField("logprobs")),
-                         codec.logprobs_from_pb(reply.prompt_logprobs, reply.HasField("prompt_logprobs")))
+                         codec.logprobs_from_pb(reply.prompt_logprobs, reply.HasField("prompt_logprobs")),
+                         reply.feature_start)
 
     async def verify(self, request_id, cycle, draft: DraftBlock | None, traceparent) -> Verified:
         msg = pb.VerifyRequest(request_id=request_id, cycle=cycle, draft=codec.block_to_pb(draft),

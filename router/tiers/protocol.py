@@ -17,7 +17,8 @@ from services.types import DraftBlock, Prefilled, SamplingParams, Verified, Veri
 
 class VerifierTier(Protocol):
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      resume_ids: list[int], traceparent: str) -> Prefilled: ...
+                      resume_ids: list[int], traceparent: str, share_prefix_of: str = "") -> Prefilled:
+        """`share_prefix_of`: a sibling sample's request id, whose cached prompt the replica may copy (a hint)."""
 
     async def verify(self, request_id: str, cycle: int, draft: DraftBlock | None, traceparent: str) -> Verified: ...
 

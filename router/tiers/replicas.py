@@ -89,12 +89,18 @@ class ReplicaSet(Generic[Client]):
         return [rid for rid, s in self._slots.items() if s.down_until <= now and not s.member.draining]
 
     # ---- requests -----------------------------------------------------------------------------
-    def place(self, request_id: str) -> tuple[str, Client]:
-        """The member serving this request: its current one, else the least-loaded healthy member."""
+    def place(self, request_id: str, near: str = "") -> tuple[str, Client]:
+        """The member serving this request: its current one, else `near`'s when it is healthy, else the
+        least-loaded healthy member."""
         current = self._placed.get(request_id)
         if current is not None and current in self._slots:
             return current, self._slots[current].client
         candidates = self.healthy()
+        beside = self._placed.get(near) if near else None
+        if beside in candidates:
+            self._placed[request_id] = beside
+            self._slots[beside].requests += 1
+            return beside, self._slots[beside].client
         if not candidates:
             raise TierUnavailableError(f"no healthy {self.role} replica ({len(self._slots)} known)")
         self._next += 1

@@ -113,23 +113,25 @@ class DraftBlock(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseQ, _Mapping]] = ..., confidences: _Optional[_Iterable[float]] = ..., peaks: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "params", "resume_ids", "feature_dtype", "traceparent")
+    __slots__ = ("request_id", "prompt_ids", "params", "resume_ids", "feature_dtype", "traceparent", "share_prefix_of")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     RESUME_IDS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    SHARE_PREFIX_OF_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     resume_ids: _containers.RepeatedScalarFieldContainer[int]
     feature_dtype: DType
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., resume_ids: _Optional[_Iterable[int]] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    share_prefix_of: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., resume_ids: _Optional[_Iterable[int]] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., traceparent: _Optional[str] = ..., share_prefix_of: _Optional[str] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("request_id", "cycle", "emitted", "committed", "features", "logprobs", "prompt_logprobs")
+    __slots__ = ("request_id", "cycle", "emitted", "committed", "features", "logprobs", "prompt_logprobs", "feature_start")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     EMITTED_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +139,7 @@ class PrefillReply(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_START_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cycle: int
     emitted: _containers.RepeatedScalarFieldContainer[int]
@@ -144,7 +147,8 @@ class PrefillReply(_message.Message):
     features: Tensor
     logprobs: TokenLogprobs
     prompt_logprobs: TokenLogprobs
-    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., emitted: _Optional[_Iterable[int]] = ..., committed: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ...) -> None: ...
+    feature_start: int
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., emitted: _Optional[_Iterable[int]] = ..., committed: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., feature_start: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("request_id", "cycle", "draft", "feature_dtype", "traceparent")

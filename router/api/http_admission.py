@@ -1,0 +1,59 @@
+"""An OpenAI body → the router requests that serve it: one per prompt and sample, all checked before any runs.
+
+A completions batch gives each prompt its choices in order; `n` (or `best_of`) samples of a prompt follow
+vLLM's rules: sample j draws with seed + j when a seed is given, and the samples share one prefill (the first
+prefills, the others copy its cached prompt on its replica: `router.session.PrefixShare`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from router.api.admission import Admission
+from router.api.errors import ApiError
+from router.api.openai import MAX_BATCH, ChatCompletionRequest, CompletionRequest
+from router.router import Router
+from router.session import PrefixShare, RouterRequest
+from services.chat_template import render
+from services.tokenizer import TextTokenizer
+
+
+class HttpAdmission:
+    def __init__(self, router: Router, tokenizer: TextTokenizer, model: str, max_model_len: int):
+        self.model, self.admit = model, Admission(router, tokenizer, max_model_len)
+
+    def __call__(self, body: CompletionRequest | ChatCompletionRequest, request_id: str) -> list[list[RouterRequest]]:
+        """Per prompt, its samples' router requests (ids `{id}`, `{id}-{i}` in a batch, `-{j}` per sample)."""
+        if body.model != self.model:
+            raise ApiError(400, f"model {body.model!r} does not exist; this server serves {self.model!r}",
+                           "model", "model_not_found")
+        prompts = self._prompts(body)
+        samples = body.samples()
+        if len(prompts) * samples > MAX_BATCH:
+            raise ApiError(400, f"{len(prompts)} prompts × {samples} samples: at most {MAX_BATCH} choices per "
+                           "request", "n")
+        spec = body.speculative.model_dump(exclude_none=True) if body.speculative else None
+        groups = []
+        for i, prompt_ids in enumerate(prompts):
+            max_tokens = self.admit.max_tokens(body.wanted_tokens(), len(prompt_ids), body.prompt_param)
+            params = body.sampling(max_tokens)
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            group = []
+            for j in range(samples):
+                seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + j)
+                group.append(self.admit(prompt_ids, seeded, rid if samples == 1 else f"{rid}-{j}", body.stops(),
+                                        body.stop_token_ids or [], body.ignore_eos, spec,
+                                        body.include_stop_str_in_output))
+            if samples > 1:
+                share = PrefixShare(group[0].request_id)
+                for req in group:
+                    req.prefix = share
+            groups.append(group)
+        return groups
+
+    def _prompts(self, body: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+        if isinstance(body, ChatCompletionRequest):
+            text = render([m.as_turn() for m in body.messages], add_generation_prompt=True)
+            return [self.admit.encode(text, "messages")]
+        return [self.admit.encode(p, "prompt") if isinstance(p, str) else self.admit.token_ids(p, "prompt")
+                for p in body.prompts()]
