@@ -124,7 +124,9 @@ class Router:
             self.metrics.waiting.labels(self.model).dec()
         self.running += 1
         self.metrics.running.labels(self.model).inc()
-        session = Session(request, spec, TextStream(self.tokenizer, request.stop, request.include_stop))
+        text = TextStream(self.tokenizer, request.stop, request.include_stop, request.skip_special,
+                          request.params.min_tokens)
+        session = Session(request, spec, text)
         try:
             async for chunk in self._serve(session):
                 yield chunk

@@ -48,6 +48,7 @@ class RouterRequest:
     # {"method", "policy", "gamma", "min_tokens_per_s"}, which `Router.generate` resolves. None: the default.
     speculative: Speculation | dict | None = None
     include_stop: bool = False  # a stop string stays in the text (vLLM's include_stop_str_in_output)
+    skip_special: bool = True  # special tokens have no text (vLLM's skip_special_tokens)
     prefix: PrefixShare | None = None  # one of n samples of a prompt
 
     @property

@@ -21,12 +21,15 @@ class TextStream:
     tokenizer: TextTokenizer | None
     stop: tuple[str, ...] = ()
     include_stop: bool = False  # the text ends after the stop string rather than before it
+    skip_special: bool = True  # special tokens (BOS, EOS) have no text
+    min_tokens: int = 0  # stop strings count only in text after this many tokens (vLLM's rule)
     token_ids: list[int] = field(default_factory=list)
     sent: int = 0  # characters of text already handed out
     stopped: bool = False
     _full: str = field(default="", init=False)  # decoded text of token_ids[:_read]
     _prefix: int = field(default=0, init=False)  # start of the decode window (left context)
     _read: int = field(default=0, init=False)  # tokens whose text is in _full
+    _stops_from: int = field(default=0, init=False)  # a stop string must end past this character of _full
 
     def feed(self, new_ids: list[int]) -> tuple[list[int], str]:
         """Add a cycle's tokens → (tokens kept, text delta). After a stop string, later tokens are dropped."""
@@ -58,18 +61,23 @@ class TextStream:
         """Move the tokens after `_read` into `_full`, unless their text is still an incomplete character."""
         if self.tokenizer is None or self._read == len(self.token_ids):
             return
-        known = self.tokenizer.decode(self.token_ids[self._prefix : self._read])
-        window = self.tokenizer.decode(self.token_ids[self._prefix :])
+        known = self.tokenizer.decode(self.token_ids[self._prefix : self._read], self.skip_special)
+        window = self.tokenizer.decode(self.token_ids[self._prefix :], self.skip_special)
         if window.endswith("\ufffd") and not final:
             return
+        if len(self.token_ids) < self.min_tokens:  # text before the min_tokens-th token completes no stop string
+            self._stops_from = len(self._full) + len(window) - len(known)
         self._full += window[len(known) :]
         self._read = len(self.token_ids)
         self._prefix = max(0, self._read - _CONTEXT)
 
     def _stop_at(self, text: str) -> int | None:
         """Where the text ends for the first stop string in it (its start, or its end with include_stop)."""
-        hits = [(i, i + len(s) if self.include_stop else i) for i, s in ((text.find(s), s) for s in self.stop)
-                if i >= 0]
+        hits = []
+        for s in self.stop:
+            i = text.find(s, max(0, self._stops_from - len(s) + 1))
+            if i >= 0:
+                hits.append((i, i + len(s) if self.include_stop else i))
         return min(hits)[1] if hits else None
 
     def _delta(self, final: bool) -> str:

@@ -34,8 +34,8 @@ class TextTokenizer:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return [self.bos_token_id, *ids] if self.bos_token_id is not None else ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def _special_ids(model_dir: Path, tok: Tokenizer) -> tuple[tuple[int, ...], int | None]:

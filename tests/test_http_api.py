@@ -173,7 +173,6 @@ def test_what_benchmark_clients_send_is_understood(api, client, tokenizer):
 
 
 @pytest.mark.parametrize(("extra", "field"), [
-    ({"skip_special_tokens": False}, "skip_special_tokens"),
     ({"prompt_logprobs": 2}, "prompt_logprobs"), ({"suffix": "x"}, "suffix"),
 ])
 def test_sampling_fields_not_served_are_refused_by_name_and_their_noop_values_accepted(api, extra, field):
@@ -181,7 +180,7 @@ def test_sampling_fields_not_served_are_refused_by_name_and_their_noop_values_ac
     body = {"model": TARGET, "prompt": "import os\n", "max_tokens": 4, **extra}
     bad = httpx.post(url + "/v1/completions", json=body, headers=headers)
     assert bad.status_code == 400 and field in bad.json()["error"]["message"]
-    noop = {"skip_special_tokens": True, "prompt_logprobs": None, "suffix": None}[field]
+    noop = {"prompt_logprobs": None, "suffix": None}[field]
     assert httpx.post(url + "/v1/completions", json={**body, field: noop}, headers=headers).status_code == 200
 
 

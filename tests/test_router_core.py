@@ -39,6 +39,24 @@ def test_stop_string_cuts_text_and_later_tokens(tok):
     assert "world" in tok.decode(kept)  # tokens run up to the one completing the stop string
 
 
+def test_stop_strings_count_from_min_tokens_and_can_stay_in_the_text(tok):
+    ids = tok.encode("a.b.c.d")[1:]
+    first_dot = next(i for i in range(len(ids)) if "." in tok.decode(ids[: i + 1]))
+    late = TextStream(tok, stop=(".",), min_tokens=first_dot + 2)  # the first "." comes too early to stop
+    kept = [t for i in range(len(ids)) for t in late.feed(ids[i : i + 1])[0]]
+    assert late.stopped and tok.decode(kept).count(".") == 2 and late.text.count(".") == 1
+    kept_stop = TextStream(tok, stop=(".b",), include_stop=True)
+    kept_stop.feed(ids)
+    assert kept_stop.text == "a.b"
+
+
+def test_special_tokens_have_text_only_when_asked(tok):
+    ids = [tok.bos_token_id, *tok.encode("hi")[1:]]
+    plain, raw = TextStream(tok), TextStream(tok, skip_special=False)
+    assert plain.feed(ids)[1] + plain.flush() == "hi"
+    assert (raw.feed(ids)[1] + raw.flush()).endswith("hi") and len(raw.text) > 2
+
+
 def test_text_that_could_start_a_stop_string_is_held_back(tok):
     ids = tok.encode("abc STO")[1:]
     stream = TextStream(tok, stop=("STOP",))

@@ -56,7 +56,7 @@ class Admission:
 
     def __call__(self, prompt_ids: list[int], params: SamplingParams, client_id: str, stop: tuple[str, ...],
                  stop_token_ids: Sequence[int], ignore_eos: bool, speculative: dict | None,
-                 include_stop: bool = False) -> RouterRequest:
+                 include_stop: bool = False, skip_special: bool = True) -> RouterRequest:
         """The request as the router core takes it: EOS unless ignore_eos, a session id unique even when a client
         reuses its own (a request rejected as a duplicate would release the other's sessions), speculation
         resolved against what this deployment serves; min_tokens masks the same stop tokens the router stops at."""
@@ -70,7 +70,7 @@ class Admission:
         if params.min_tokens:
             params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(stop_ids)))
         return RouterRequest(prompt_ids, params, session_id(client_id), stop, stop_ids,
-                             self.router.speculation(speculative), include_stop)
+                             self.router.speculation(speculative), include_stop, skip_special)
 
 
 def session_id(client_id: str) -> str:

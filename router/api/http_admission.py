@@ -43,7 +43,7 @@ class HttpAdmission:
                 seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + j)
                 group.append(self.admit(prompt_ids, seeded, rid if samples == 1 else f"{rid}-{j}", body.stops(),
                                         body.stop_token_ids or [], body.ignore_eos, spec,
-                                        body.include_stop_str_in_output))
+                                        body.include_stop_str_in_output, body.skip_special_tokens))
             if samples > 1:
                 share = PrefixShare(group[0].request_id)
                 for req in group:

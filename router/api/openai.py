@@ -58,7 +58,7 @@ class SpeculativeOptions(_Body):
 
 
 # Sampling fields of OpenAI / vLLM not served yet, with the value that asks for nothing (accepted as such).
-UNSERVED = {"skip_special_tokens": True, "use_beam_search": False, "length_penalty": 1.0,
+UNSERVED = {"use_beam_search": False, "length_penalty": 1.0,
             "suffix": None, "response_format": None, "tools": None, "tool_choice": None, "guided_json": None,
             "guided_regex": None, "guided_choice": None, "guided_grammar": None, "prompt_logprobs": None}
 
@@ -84,6 +84,7 @@ class _Common(_Body):
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     speculative: SpeculativeOptions | None = None
 
     @model_validator(mode="before")
