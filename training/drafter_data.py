@@ -14,8 +14,11 @@ from training import rollouts, target_cache
 
 
 def prepare(target: str, run_dir: Path, data_dir: Path, cfg: rollouts.RolloutConfig, val_per_domain: int = 64,
-            tap_layers: tuple[int, ...] | None = None) -> dict[str, Path]:
-    """Build (or resume) `run_dir/{train,val}` caches; returns their directories."""
+            tap_layers: tuple[int, ...] | None = None, mirror_dir: Path | None = None,
+            rollout_dtype: str = "float32") -> dict[str, Path]:
+    """Build (or resume) `run_dir/{train,val}` caches; returns their directories. `mirror_dir` keeps gzip copies
+    of the rollouts (commit them: a fresh machine resumes the rollouts from them); `rollout_dtype` is the
+    dtype the target generates in (the one it is served in); features are always taken in fp32."""
     caches = {split: run_dir / "cache" / split for split in ("val", "train")}
     missing = [split for split, d in caches.items() if not (d / "manifest.json").exists()]
     if not missing:
@@ -25,11 +28,13 @@ def prepare(target: str, run_dir: Path, data_dir: Path, cfg: rollouts.RolloutCon
     tokenizer = TextTokenizer.from_dir(model_dir)
     taps = tap_layers or default_tap_layers(ModelConfig.from_dir(model_dir).num_hidden_layers)
     model = load_model(model_dir, "float32", "cpu", tap_layers=taps)
+    generator = model if rollout_dtype == "float32" else load_model(model_dir, rollout_dtype, "cpu", tap_layers=taps)
     run_dir.mkdir(parents=True, exist_ok=True)
     per_domain = {"val": val_per_domain, "train": cfg.prompts_per_domain}
     for split in missing:
         out, cache_dir = run_dir / f"rollouts.{split}.jsonl", caches[split]
-        items = list(rollouts.prompts(data_dir, split, per_domain[split], cfg.seed))
-        rollouts.generate(model, tokenizer, items, cfg, out)
+        items = list(rollouts.prompts(data_dir, split, per_domain[split], cfg.seed, cfg.code_prompts_per_file))
+        mirror = None if mirror_dir is None else mirror_dir / f"rollouts.{split}.jsonl.gz"
+        rollouts.generate(generator, tokenizer, items, cfg, out, mirror)
         target_cache.build(model, rollouts.read(out), cache_dir, target=model_dir.name)
     return caches

@@ -7,6 +7,7 @@ target answers each with its own sampling settings (`generation_config.json`).
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 from collections.abc import Iterator
@@ -33,9 +34,14 @@ class RolloutConfig:
     top_p: float = 0.95
     batch: int = 48
     seed: int = 0
+    # Serving temperatures to roll out at, one per prompt chosen from its id (drafters v2: (0, 1), the
+    # temperatures evaluated); empty: `temperature` for every prompt (top_p applies at T > 0 only).
+    temperatures: tuple[float, ...] = ()
+    code_prompts_per_file: int = 3  # completion prompts cut from each standard-library file
 
 
-def prompts(data_dir: Path, split: str, per_domain: int, seed: int) -> Iterator[tuple[str, str, str]]:
+def prompts(data_dir: Path, split: str, per_domain: int, seed: int, code_per_file: int = 3
+            ) -> Iterator[tuple[str, str, str]]:
     """(domain, id, prompt text): a seeded, even sample of `per_domain` prompts from each domain's split."""
     for domain in DOMAINS:
         rows = []
@@ -43,7 +49,7 @@ def prompts(data_dir: Path, split: str, per_domain: int, seed: int) -> Iterator[
             for line in f:
                 record = json.loads(line)
                 if domain == "code":
-                    texts = code.completion_prompts(record["text"], max_prompts=3)
+                    texts = code.completion_prompts(record["text"], max_prompts=code_per_file)
                 else:
                     texts = [render(record["messages"][:-1], add_generation_prompt=True)]
                 rows.extend((f"{record['id']}#{n}", t) for n, t in enumerate(texts))
@@ -53,12 +59,12 @@ def prompts(data_dir: Path, split: str, per_domain: int, seed: int) -> Iterator[
 
 
 def generate(model: CausalLM, tokenizer: TextTokenizer, items: list[tuple[str, str, str]], cfg: RolloutConfig,
-             out_path: Path) -> int:
-    """Append one JSON line per prompt (domain, id, prompt_ids, response_ids) to `out_path`, skipping ids
-    already there so an interrupted run resumes. Returns the number of response tokens written."""
-    done = set()
-    if out_path.exists():
-        done = {json.loads(line)["id"] for line in out_path.read_text().splitlines()}
+             out_path: Path, mirror: Path | None = None) -> int:
+    """Append one JSON line per prompt (domain, id, prompt_ids, response_ids, temperature) to `out_path`,
+    skipping ids already there so an interrupted run resumes. `mirror`: a gzip copy kept current as the run
+    goes (a committed copy lets a fresh machine resume; it seeds `out_path` when that is missing). Returns the
+    number of response tokens written."""
+    done = _resume(out_path, mirror)
     todo = [it for it in items if it[1] not in done]
     engine = Engine(model, EngineConfig(num_slots=cfg.batch, max_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 8))
     router = LocalRouter(engine)
@@ -70,11 +76,42 @@ def generate(model: CausalLM, tokenizer: TextTokenizer, items: list[tuple[str, s
             requests = [_request(tokenizer, it, cfg) for it in chunk]
             for (domain, key, _), req, res in zip(chunk, requests, router.generate(requests), strict=True):
                 out.write(json.dumps({"domain": domain, "id": key, "prompt_ids": req.prompt_ids,
-                                      "response_ids": res.token_ids}) + "\n")
+                                      "response_ids": res.token_ids, "temperature": req.params.temperature}) + "\n")
                 written += len(res.token_ids)
             out.flush()
             progress.advance(task, len(chunk))
+            if mirror is not None and (start // (cfg.batch * 4)) % MIRROR_EVERY == MIRROR_EVERY - 1:
+                _mirror(out_path, mirror)
+    if mirror is not None:
+        _mirror(out_path, mirror)
     return written
+
+
+MIRROR_EVERY = 8  # chunks between refreshes of the gzip copy
+
+
+def _resume(out_path: Path, mirror: Path | None) -> set[str]:
+    """Ids already rolled out; a line cut by an interrupted write is dropped (and rolled out again)."""
+    if not out_path.exists() and mirror is not None and mirror.exists():
+        out_path.write_bytes(gzip.decompress(mirror.read_bytes()))
+    if not out_path.exists():
+        return set()
+    lines, done = out_path.read_text().splitlines(), []
+    for line in lines:
+        try:
+            done.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    if len(done) < len(lines):
+        out_path.write_text("".join(json.dumps(r) + "\n" for r in done))
+    return {r["id"] for r in done}
+
+
+def _mirror(out_path: Path, mirror: Path) -> None:
+    mirror.parent.mkdir(parents=True, exist_ok=True)
+    tmp = mirror.with_suffix(".tmp")
+    tmp.write_bytes(gzip.compress(out_path.read_bytes(), mtime=0))  # mtime 0: the same bytes for the same rows
+    tmp.replace(mirror)
 
 
 def _request(tokenizer: TextTokenizer, item: tuple[str, str, str], cfg: RolloutConfig) -> GenerationRequest:
@@ -83,7 +120,9 @@ def _request(tokenizer: TextTokenizer, item: tuple[str, str, str], cfg: RolloutC
     if len(ids) > cfg.max_prompt_tokens:
         ids = ids[-cfg.max_prompt_tokens :]
     seed = int(hashlib.sha256(f"{cfg.seed}:{key}".encode()).hexdigest()[:8], 16)
-    params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=seed, max_tokens=cfg.max_new_tokens)
+    temperature = cfg.temperatures[seed % len(cfg.temperatures)] if cfg.temperatures else cfg.temperature
+    params = SamplingParams(temperature=temperature, top_p=cfg.top_p if temperature > 0 else 1.0, seed=seed,
+                            max_tokens=cfg.max_new_tokens)
     return GenerationRequest(key, ids, params, stop_token_ids=tokenizer.eos_token_ids)
 
 
