@@ -98,6 +98,8 @@ def rename(state: dict, where: str, vocab_size: int) -> dict:
             raise ModelLoadError(f"{where}: unexpected tensor {name!r} for an EAGLE-3 checkpoint")
     if "d2t" in out:
         check_vocab_map(out["d2t"], state.get("t2d"), vocab_size, where)
+        if len(out["d2t"]) == vocab_size:  # SpecForge exports d2t even for the full vocabulary: the identity
+            del out["d2t"]
     return out
 
 
