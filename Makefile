@@ -6,7 +6,7 @@ MODEL ?= dspark-target
 PROMPT ?= def fibonacci(n):
 
 .PHONY: install serve test lint bench bench-tiers bench-policies bench-ray soak bench-overload results-serving data target-v2 \
-	data-deps test-deps drafters acceptance image clean
+	data-deps test-deps drafters acceptance image clean peer-check
 
 $(BIN)/dspark: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,12 @@ results-serving: $(BIN)/dspark
 	$(BIN)/dspark simulate --bench benchmarks/results/serving-cpu/results.json --profile benchmarks/results/sps-cpu.json \
 		--validate --scale --ratio --out-dir benchmarks/results/simulate
 	$(BIN)/python benchmarks/serving_doc.py
+
+# SGLang's bench_serving (random, random-ids), `vllm bench serve` (random) and lm-eval (local-completions, a local
+# generate_until task) against `dspark serve` at concurrency 8, offline. Installs them in build/peer-venv (~8 GB,
+# not .venv); exit 1 on any failed request. Not part of `make test`. About 10 min the first time, 5 after.
+peer-check: $(BIN)/dspark
+	$(BIN)/python benchmarks/peer_check.py
 
 # Debian's python3.11-doc holds the reST sources of the chat corpus.
 data-deps:
