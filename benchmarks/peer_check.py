@@ -193,6 +193,12 @@ def summary_block(text: str) -> str:
     return m.group(0) if m else ""
 
 
+def last_error(text: str) -> str:
+    """The last line of a client's output that names an error: what a crash was about, for the FAILED line."""
+    lines = [line for line in text.splitlines() if re.search(r"Error|error", line)]
+    return lines[-1].strip()[:600] if lines else "no error line"
+
+
 def check_sglang(args, port: int, dataset: str) -> list[str]:
     out = WORK / f"sglang-{dataset}.jsonl"
     out.unlink(missing_ok=True)
@@ -205,7 +211,7 @@ def check_sglang(args, port: int, dataset: str) -> list[str]:
     rc, text = run_client(f"sglang-{dataset}", cmd)
     print(summary_block(text) or text[-3000:])
     if rc != 0 or not out.exists():
-        return [f"sglang {dataset}: exit {rc}, no result file"]
+        return [f"sglang {dataset}: exit {rc}, no result file; {last_error(text)}"]
     res = json.loads(out.read_text().splitlines()[-1])
     errors = [e for e in res.get("errors", []) if e]
     if res["completed"] != args.prompts or errors:
@@ -225,7 +231,7 @@ def check_vllm(args, port: int) -> list[str]:
     rc, text = run_client("vllm-random", cmd)
     print(summary_block(text) or text[-3000:])
     if rc != 0 or not out.exists():
-        return [f"vllm random: exit {rc}, no result file"]
+        return [f"vllm random: exit {rc}, no result file; {last_error(text)}"]
     res = json.loads(out.read_text())
     errors = [e for e in res.get("errors", []) if e]
     if res["failed"] or res["completed"] != args.prompts or errors:
@@ -245,7 +251,7 @@ def check_lm_eval(args, port: int, task: Path) -> list[str]:
     table = [line for line in text.splitlines() if line.startswith(("local-completions", "|"))]
     print("\n".join(table) if table else text[-3000:])
     if rc != 0 or not table:
-        return [f"lm-eval: exit {rc}"]
+        return [f"lm-eval: exit {rc}; {last_error(text)}"]
     samples = sorted((WORK / "lm_eval_out").rglob("samples_dspark_peer_gen_*.jsonl"))
     rows = [json.loads(line) for line in samples[-1].read_text().splitlines()] if samples else []
     empty = sum(1 for r in rows if not r["resps"][0][0])
