@@ -14,6 +14,10 @@ greedy speculation equal plain greedy): SDPA treats every (block, head) independ
 scores are dot products over its own keys only, masked keys add exact zeros, and Lb moves only in whole
 multiples of `KV_MULTIPLE`, so no reduction changes order. `tests/test_attention.py` checks it bit for
 bit against `attend_per_request`, the reference loop this file replaced.
+
+Sliding-window layers (Gemma) attend through `AttentionPlan.windowed`: the same blocks, keys and SDPA call,
+with each row's mask cut to the keys in (p - window, p]; the keys behind the window stay in the cache and
+are read, masked, so windowed and global layers share one cache layout.
 """
 
 from __future__ import annotations
@@ -41,6 +45,16 @@ class AttentionPlan:
     @property
     def kv_len(self) -> int:  # Lb (a shape, not a field, so a compiled step sees one tensor size, no int)
         return self.mask.shape[-1]
+
+    def windowed(self, window: int) -> AttentionPlan:
+        """The same step with a row at position p seeing only keys in (p - window, p] (HF's sliding window).
+        Derived from the causal mask, whose True entries are a row's prefix 0..p (padded keys, as a compiled
+        step's buckets add, are False), so a compiled step computes it from tensors already in its graph."""
+        reach = self.mask.sum(-1, keepdim=True)  # [B, 1, Qb, 1] p + 1 of each row
+        keys = torch.arange(self.mask.shape[-1], device=self.mask.device)  # [Lb]
+        mask = self.mask & (keys >= reach - window)  # [B, 1, Qb, Lb]
+        return AttentionPlan(self.write_slots, self.write_pos, self.block_slots, self.gather_rows, mask,
+                             self.scatter)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.write_slots, self.write_pos, self.block_slots, self.gather_rows, self.mask, self.scatter)
@@ -86,6 +100,7 @@ def attend(
     plan: AttentionPlan,
     k_cache: torch.Tensor,  # [S, Hkv, L, Dh] this layer's keys, all slots
     v_cache: torch.Tensor,  # [S, Hkv, L, Dh]
+    scale: float | None = None,  # softmax scale; None: SDPA's 1/sqrt(Dh)
 ) -> torch.Tensor:
     """Write the new keys/values into their slots, then attend every row causally over its slot → [N, H, Dh]."""
     heads, dh = q.shape[1:]
@@ -94,12 +109,14 @@ def attend(
     keys = k_cache[plan.block_slots, :, : plan.kv_len]  # [B, Hkv, Lb, Dh]
     values = v_cache[plan.block_slots, :, : plan.kv_len]  # [B, Hkv, Lb, Dh]
     queries = q[plan.gather_rows].transpose(1, 2)  # [B, H, Qb, Dh]
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask, enable_gqa=True)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask, enable_gqa=True, scale=scale)
     return out.transpose(1, 2).reshape(-1, heads, dh)[plan.scatter]  # [N, H, Dh]
 
 
-def attend_per_request(q, k, v, slots: list[int], starts: list[int], lens: list[int], k_cache, v_cache):
-    """The reference: one SDPA call per request over exactly its own prefix (shapes as in `attend`)."""
+def attend_per_request(q, k, v, slots: list[int], starts: list[int], lens: list[int], k_cache, v_cache,
+                       window: int | None = None):
+    """The reference: one SDPA call per request over exactly its own prefix (shapes as in `attend`), or over
+    the last `window` positions of it."""
     out = torch.empty_like(q)  # [N, H, Dh]
     offset = 0
     for slot, start, length in zip(slots, starts, lens, strict=True):
@@ -107,6 +124,8 @@ def attend_per_request(q, k, v, slots: list[int], starts: list[int], lens: list[
         k_cache[slot, :, start:end] = k[rows].transpose(0, 1)
         v_cache[slot, :, start:end] = v[rows].transpose(0, 1)
         mask = torch.ones(length, end, dtype=torch.bool, device=q.device).tril(start)  # [n, T]
+        if window is not None:
+            mask = mask.triu(start - window + 1)
         o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], k_cache[slot, :, :end][None],
                                            v_cache[slot, :, :end][None], attn_mask=mask, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)

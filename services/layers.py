@@ -8,6 +8,7 @@ on what else shares the forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """`norm` is the q/k norm's class where the config has q/k norms; `scale` the softmax scale (None:
+    1/sqrt(head_dim)). Gemma's layers pass their own (services/gemma.py)."""
+
+    def __init__(self, cfg: ModelConfig, norm: type[nn.Module] = RMSNorm, scale: float | None = None):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         d = cfg.hidden_size
@@ -51,9 +55,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.qk_norm = cfg.qk_norm
+            self.q_norm = norm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = norm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm, self.scale = cfg.qk_norm, scale
         # Buffers, not parameters: outside the checkpoint, yet constants a compiled step can pre-pack.
         self.register_buffer("qkv_weight", None, persistent=False)  # [(H + 2 Hkv) Dh, d] once fused (`fuse`)
         self.register_buffer("qkv_bias", None, persistent=False)
@@ -91,16 +95,18 @@ class Attention(nn.Module):
         n = x.shape[0]
         q, k, v = self.project(x)  # [N, H, Dh], [N, Hkv, Dh] x2
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = attend(q, k, v, plan, k_cache, v_cache)  # [N, H, Dh]
+        out = attend(q, k, v, plan, k_cache, v_cache, self.scale)  # [N, H, Dh]
         return self.o_proj(out.reshape(n, self.n_heads * self.head_dim))
 
-    def forward_dense(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Cache-free causal attention over whole sequences, x [B, T, d] (training and feature extraction)."""
+    def forward_dense(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Cache-free causal attention over whole sequences, x [B, T, d] (training and feature extraction);
+        `mask` [T, T] bool (True = attend) replaces the causal one (a sliding window)."""
         b, t, _ = x.shape
         q, k, v = self.project(x)  # [B, T, H, Dh], [B, T, Hkv, Dh] x2
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, enable_gqa=True)  # [B, H, T, Dh]
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                           is_causal=mask is None, enable_gqa=True, scale=self.scale)  # [B, H, T, Dh]
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
@@ -117,8 +123,11 @@ def _fuse(owners, name: str) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Gated MLP: down(act(gate(x)) * up(x)); act SiLU (SwiGLU), or Gemma's tanh GELU (GeGLU) where passed."""
+
+    def __init__(self, cfg: ModelConfig, act: Callable[[torch.Tensor], torch.Tensor] = F.silu):
         super().__init__()
+        self.act = act
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
@@ -134,12 +143,14 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
+    sliding = False  # attends every cached position (Gemma's sliding layers: services/gemma.py)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -151,6 +162,6 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), rope, plan, k_cache, v_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_dense(self, x: torch.Tensor, rope) -> torch.Tensor:
-        x = x + self.self_attn.forward_dense(self.input_layernorm(x), rope)
+    def forward_dense(self, x: torch.Tensor, rope, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn.forward_dense(self.input_layernorm(x), rope, mask)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,4 +1,4 @@
-"""Llama-family causal LM with a ragged, cache-backed forward and feature taps."""
+"""Llama-family (and Gemma 3) causal LM with a ragged, cache-backed forward and feature taps."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from services.attention import AttentionPlan
-from services.layers import DecoderLayer, RaggedLayout, RMSNorm
+from services.gemma import decoder_layer, dense_window_mask, final_norm, scale_embeddings, softcap
+from services.layers import RaggedLayout
 from services.model_config import ModelConfig
 from services.rope import RotaryTable
 
@@ -24,15 +25,19 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(decoder_layer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = final_norm(cfg)
 
 
 class CausalLM(nn.Module):
     """Target model. `tap_layers` are decoder-layer indices (0-based) whose outputs are features; tap L (the
     layer count) is the final hidden state *after* the final norm, the one the LM head reads: what vLLM's and
     SGLang's target forward returns and feeds released MTP modules (`drafter_worker/formats/mtp.py`). Features
-    are concatenated in layer order, so tap L comes last."""
+    are concatenated in layer order, so tap L comes last.
+
+    Gemma 3 (`cfg.gemma`): embeddings are scaled after the lookup, so `model.embed_tokens.weight`, the one
+    drafters share, is the checkpoint's as-is (vLLM shares it so too); sliding layers read their own RoPE
+    table and a windowed attention plan."""
 
     def __init__(self, cfg: ModelConfig, tap_layers: tuple[int, ...] = ()):
         super().__init__()
@@ -47,6 +52,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rotary: RotaryTable | None = None
+        self._local_rotary: RotaryTable | None = None  # Gemma's sliding layers' (`rope_local_base_freq`)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -57,10 +63,33 @@ class CausalLM(nn.Module):
         return self.lm_head.weight.device
 
     def rotary(self) -> RotaryTable:
+        """The (global layers') table; builds the sliding layers' one with it, so a compiled step finds both."""
         if self._rotary is None or self._rotary.cos.device != self.device:
             cfg = self.config
             self._rotary = RotaryTable(cfg.rope, cfg.head_dim, cfg.max_context, self.device)
+            if cfg.gemma is not None:
+                self._local_rotary = RotaryTable(cfg.gemma.local_rope, cfg.head_dim, cfg.max_context, self.device)
         return self._rotary
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # [..., d]
+        return x if self.config.gemma is None else scale_embeddings(x, self.config.hidden_size)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(h)  # [..., V] model dtype
+        return logits if self.config.gemma is None else softcap(logits, self.config.gemma.final_logit_softcapping)
+
+    def _layer_inputs(self, positions: torch.Tensor, dtype: torch.dtype, attn) -> dict[bool, tuple]:
+        """(rope, attention) for each kind of layer, keyed by `layer.sliding`: the step's plan (or a dense
+        forward's mask, None = causal) for global layers, the windowed one and the local RoPE for sliding."""
+        inputs = {False: (self.rotary().gather(positions, dtype), attn)}
+        spec = self.config.gemma
+        if spec is not None and any(spec.sliding_layers):
+            window = spec.sliding_window
+            local = (attn.windowed(window) if isinstance(attn, AttentionPlan)
+                     else dense_window_mask(positions.shape[0], window, positions.device))
+            inputs[True] = (self._local_rotary.gather(positions, dtype), local)
+        return inputs
 
     def forward(
         self,
@@ -79,11 +108,12 @@ class CausalLM(nn.Module):
              k_cache, v_cache, logit_rows) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward on tensors only (an `AttentionPlan`'s, in field order): what `torch.compile` traces."""
         plan = AttentionPlan(write_slots, write_pos, block_slots, gather_rows, mask, scatter)
-        x = self.model.embed_tokens(input_ids)  # [N, d]
-        rope = self.rotary().gather(positions, x.dtype)
+        x = self._embed(input_ids)  # [N, d]
+        inputs = self._layer_inputs(positions, x.dtype, plan)  # cos, sin [N, 1, Dh] and a plan per layer kind
         taps = []
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, plan, k_cache[i], v_cache[i])
+            rope, layer_plan = inputs[layer.sliding]
+            x = layer(x, rope, layer_plan, k_cache[i], v_cache[i])
             if i in self.tap_layers:
                 taps.append(x)
         if self.final_tap:  # every row's normed hidden is a feature; the logit rows are some of them
@@ -91,7 +121,7 @@ class CausalLM(nn.Module):
             h = taps[-1][logit_rows]
         else:
             h = self.model.norm(x[logit_rows])  # [M, d]
-        logits = self.lm_head(h).float()  # [M, V]
+        logits = self._head(h).float()  # [M, V]
         features = torch.cat(taps, dim=-1) if taps else None  # [N, T*d]
         return logits, features
 
@@ -104,16 +134,16 @@ class CausalLM(nn.Module):
     def forward_dense(self, input_ids: torch.Tensor) -> ForwardOutput:
         """Whole sequences without a cache, input_ids [B, T] → logits [B, T, V] (model dtype, or the autocast
         dtype) and features [B, T, num_taps * d]: for training and for extracting target features."""
-        x = self.model.embed_tokens(input_ids)  # [B, T, d]
+        x = self._embed(input_ids)  # [B, T, d]
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        rope = self.rotary().gather(positions, x.dtype)  # cos, sin [T, 1, Dh]
+        inputs = self._layer_inputs(positions, x.dtype, None)  # cos, sin [T, 1, Dh] and a [T, T] mask or None
         taps = []
         for i, layer in enumerate(self.model.layers):
-            x = layer.forward_dense(x, rope)
+            x = layer.forward_dense(x, *inputs[layer.sliding])
             if i in self.tap_layers:
                 taps.append(x)
         hidden = self.model.norm(x)  # [B, T, d]
         if self.final_tap:
             taps.append(hidden)
-        return ForwardOutput(logits=self.lm_head(hidden), features=torch.cat(taps, dim=-1) if taps else None,
+        return ForwardOutput(logits=self._head(hidden), features=torch.cat(taps, dim=-1) if taps else None,
                              hidden=hidden)
