@@ -67,7 +67,7 @@ results-serving: $(BIN)/dspark
 
 # SGLang's bench_serving (random, random-ids), `vllm bench serve` (random) and lm-eval (local-completions, a local
 # generate_until task) against `dspark serve` at concurrency 8, offline. Installs them in build/peer-venv (~8 GB,
-# not .venv); exit 1 on any failed request. Not part of `make test`. About 10 min the first time, 5 after.
+# not .venv); exit 1 on any failed request. Not part of `make test`. About 9 min the first time, 3 after.
 peer-check: $(BIN)/dspark
 	$(BIN)/python benchmarks/peer_check.py
 
