@@ -6,7 +6,7 @@ MODEL ?= dspark-target
 PROMPT ?= def fibonacci(n):
 
 .PHONY: install serve test lint bench bench-tiers bench-policies bench-ray soak bench-overload results-serving data target-v2 \
-	data-deps test-deps drafters acceptance image clean peer-check
+	data-deps test-deps drafters drafters-v2-cache acceptance image clean peer-check
 
 $(BIN)/dspark: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -91,6 +91,15 @@ target-v2: data-deps $(BIN)/dspark
 	@test -f build/data-v2/manifest.json || $(BIN)/dspark data build --out build/data-v2 --eval-dir build/data-v2/eval
 	$(BIN)/dspark train target --data-dir build/data-v2 --run-dir build/train/target-v2 \
 		--out build/train/target-v2/final $$(test -d runs/target-v2/export && echo --resume-from runs/target-v2/export)
+
+# Drafters v2 ([3/6]): rollouts of target v2 at the serving temperatures (0 and 1, mixed per prompt), up to 256
+# new tokens, 7,000 prompts per domain (~3M response tokens), in bf16 where native, then the feature cache.
+# Resumable: build/drafters/dspark-target-v2 on a kept machine, the gzip copies in runs/drafters-v2 on a fresh one.
+drafters-v2-cache: data-deps $(BIN)/dspark
+	@test -f build/data-v2/manifest.json || $(BIN)/dspark data build --out build/data-v2 --eval-dir build/data-v2/eval
+	$(BIN)/dspark data target-cache --target dspark-target-v2 --data-dir build/data-v2 \
+		--prompts-per-domain 7000 --max-new-tokens 256 --temperatures 0 1 --code-prompts-per-file 12 \
+		--batch 64 --rollout-dtype auto --mirror-dir runs/drafters-v2
 
 # The shipped drafters: target rollouts + feature cache (build/drafters/), then each method's training run,
 # then STS calibration of DSpark's confidences at T = 1. About 80 min on 2 CPU cores.

@@ -22,6 +22,13 @@ def add_cache_parser(data_sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.8, help="the target's sampling temperature for rollouts")
     p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--temperatures", type=float, nargs="+", default=(),
+                   help="serving temperatures, one per prompt by its id (e.g. 0 1); overrides --temperature")
+    p.add_argument("--code-prompts-per-file", type=int, default=3)
+    p.add_argument("--batch", type=int, default=48, help="requests decoded together in the rollouts")
+    p.add_argument("--rollout-dtype", default="float32", help="the dtype the target generates in (auto: bf16 "
+                   "where native)")
+    p.add_argument("--mirror-dir", type=Path, help="gzip copies of the rollouts (commit them to resume elsewhere)")
 
 
 def add_train_parser(train_sub) -> None:
@@ -55,8 +62,10 @@ def run_target_cache(args: argparse.Namespace) -> int:
     from training.rollouts import RolloutConfig
 
     cfg = RolloutConfig(prompts_per_domain=args.prompts_per_domain, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, top_p=args.top_p)
-    caches = prepare(args.target, _cache_dir(args), args.data_dir, cfg, val_per_domain=args.val_per_domain)
+                        temperature=args.temperature, top_p=args.top_p, temperatures=tuple(args.temperatures),
+                        code_prompts_per_file=args.code_prompts_per_file, batch=args.batch)
+    caches = prepare(args.target, _cache_dir(args), args.data_dir, cfg, val_per_domain=args.val_per_domain,
+                     mirror_dir=args.mirror_dir, rollout_dtype=args.rollout_dtype)
     _log()(f"target caches: {', '.join(str(c) for c in caches.values())}")
     return 0
 
