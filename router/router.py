@@ -272,13 +272,13 @@ class Router:
         # prompt logprobs once: a re-prefill's prompt was already answered for
         params = dataclasses.replace(s.params, max_tokens=max(1, s.remaining),
                                      prompt_logprobs=None if resume else s.params.prompt_logprobs)
-        share = {}  # a sample copies its leader's cached prompt when the leader's features are at hand
+        share = ""  # a sample copies its leader's cached prompt when the leader's features are at hand
         if not resume and s.request.follows and s.request.prefix.done.result() is not None:
-            share = {"share_prefix_of": s.request.prefix.leader}
+            share = s.request.prefix.leader
         while True:
             try:
                 return await self.verifier.prefill(s.request.request_id, s.request.prompt_ids, params,
-                                                   s.output if resume else [], current_traceparent(), **share)
+                                                   s.output if resume else [], current_traceparent(), share)
             except TierUnavailableError:
                 if time.monotonic() > deadline:
                     raise

@@ -3,7 +3,11 @@ weights, and the reference primitives written from the formats' definitions (RMS
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
+from safetensors.torch import save_file
 
 from services.model import CausalLM
 from services.model_config import ModelConfig
@@ -25,6 +29,13 @@ def tiny_target(taps: tuple[int, ...] = TAPS) -> CausalLM:
     for p in model.parameters():
         p.data.normal_(0, 0.3)
     return model.eval()
+
+
+def save_target(path: Path, model: CausalLM) -> Path:
+    """The tiny target in Hugging Face layout at `path` (config.json + model.safetensors), for CLI conversions."""
+    (path / "config.json").write_text(json.dumps(TARGET_CONFIG))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    return path
 
 
 def norm_weight(g, n):

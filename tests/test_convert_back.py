@@ -20,7 +20,7 @@ from drafter_worker.drafter import Drafter
 from services.loader import load_model
 from services.registry import MODELS_DIR, resolve_model
 from services.types import SamplingParams
-from tests.draft_formats import BLOCK, DRAFT_LAYERS, LAYERS, MASK, RANK, TAPS, TARGET_CONFIG, tiny_target
+from tests.draft_formats import BLOCK, DRAFT_LAYERS, LAYERS, MASK, RANK, TAPS, TARGET_CONFIG, save_target, tiny_target
 from tests.test_drafter_formats import write_deepspec
 from tests.test_drafter_formats_dflash import write as write_dflash
 from tests.test_drafter_formats_eagle3 import write_eagle3
@@ -37,9 +37,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, tiny):
     path = tmp_path_factory.mktemp("tiny")
-    (path / "config.json").write_text(json.dumps(TARGET_CONFIG))
-    save_file({k: v.contiguous() for k, v in tiny.state_dict().items()}, str(path / "model.safetensors"))
-    return path
+    return save_target(path, tiny)
 
 
 @pytest.fixture(scope="module")

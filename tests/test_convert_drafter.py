@@ -7,12 +7,11 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from cli.main import main
 from drafter_worker.checkpoint import drafter_config, load_drafter
 from services.model import CausalLM
-from tests.draft_formats import TAPS, TARGET_CONFIG, D, tiny_target
+from tests.draft_formats import TAPS, D, save_target, tiny_target
 from tests.test_drafter_formats import first_block as block_of
 from tests.test_drafter_formats import write_deepspec
 from tests.test_drafter_formats_eagle3 import first_block as chain_of
@@ -27,9 +26,7 @@ def target() -> CausalLM:
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory, target):
     path = tmp_path_factory.mktemp("target")
-    (path / "config.json").write_text(json.dumps(TARGET_CONFIG))
-    save_file({k: v.contiguous() for k, v in target.state_dict().items()}, str(path / "model.safetensors"))
-    return path
+    return save_target(path, target)
 
 
 @pytest.mark.parametrize("fmt", ["deepspec", "eagle3"])

@@ -51,7 +51,7 @@ class FakeClient:
             raise self.fail_with
         return (name, self.address)
 
-    async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent):
+    async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of=""):
         return await self._call("prefill", request_id)
 
     async def verify(self, request_id, cycle, draft, traceparent):
@@ -603,10 +603,10 @@ def test_router_over_pools_survives_a_lost_verifier_and_drafter_replica():
             super().__init__(service)
             self.address, self.prefills, self.verifies = address, [], 0
 
-        async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent):
+        async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of=""):
             doomed.setdefault("verifier", self.address)
             self.prefills.append(len(resume_ids))
-            return await super().prefill(request_id, prompt_ids, params, resume_ids, traceparent)
+            return await super().prefill(request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of)
 
         async def verify(self, request_id, cycle, draft, traceparent):
             self.verifies += 1

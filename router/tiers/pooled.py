@@ -67,8 +67,7 @@ class PooledVerifier(_Pooled):
         try:
             if share_prefix_of and self.replicas.placed(share_prefix_of) != (rid, client):
                 share_prefix_of = ""  # the sibling is elsewhere (or gone): a plain prefill
-            return await client.prefill(request_id, prompt_ids, params, resume_ids, traceparent,
-                                        **({"share_prefix_of": share_prefix_of} if share_prefix_of else {}))
+            return await client.prefill(request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of)
         except TierUnavailableError as error:
             self._lost(rid, client, error)
             raise
