@@ -41,6 +41,9 @@ def add_train_parser(train_sub) -> None:
     p.add_argument("--run-dir", type=Path, help="resumable state; default: CACHE_DIR/runs/METHOD")
     p.add_argument("--out", type=Path, help="exported drafter; default: models/TARGET-METHOD")
     p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--epochs", type=float, help="instead of --steps: passes over the cache's sequences")
+    p.add_argument("--patience", type=int, default=0,
+                   help="stop after this many evaluations without a better held-out acceptance (0: never)")
     p.add_argument("--batch-sequences", type=int, default=8)
     p.add_argument("--anchors", type=int, default=24, help="anchors per sequence")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -91,12 +94,21 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     suffix = args.method if args.method != "dspark" or args.head == "markov" else f"dspark-{args.head}"
     cfg = DrafterTrainConfig(
         run_dir=args.run_dir or cache_dir / "runs" / suffix, out_dir=args.out or Path("models") /
-        f"{target_dir.name}-{suffix}", steps=args.steps, batch_sequences=args.batch_sequences,
-        anchors_per_sequence=args.anchors, lr=args.lr, eval_every=args.eval_every, seed=args.seed)
+        f"{target_dir.name}-{suffix}", steps=_steps(args, len(train_cache)), batch_sequences=args.batch_sequences,
+        anchors_per_sequence=args.anchors, lr=args.lr, eval_every=args.eval_every, seed=args.seed,
+        patience=args.patience)
     target = load_model(target_dir, "float32", "cpu")
     out = train(dcfg, target, train_cache, val_cache, cfg, log=_log())
     _log()(f"exported the drafter to {out}")
     return 0
+
+
+def _steps(args: argparse.Namespace, sequences: int) -> int:
+    if args.epochs is None:
+        return args.steps
+    if args.epochs <= 0:
+        raise SystemExit(f"--epochs must be positive, got {args.epochs}")
+    return max(1, round(args.epochs * sequences / args.batch_sequences))
 
 
 def add_eval_parsers(sub) -> None:

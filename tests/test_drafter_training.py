@@ -15,6 +15,7 @@ from training import target_cache
 from training.anchors import block_labels, sample_anchors
 from training.drafter import DrafterTrainConfig, train
 from training.drafter_losses import decay_weights, dspark_loss, soft_ce_loss, step_weights
+from training.early_stop import EarlyStop, expected_accepted
 
 TAPS = (0, 1, 2)
 
@@ -115,3 +116,41 @@ def test_a_few_training_steps_of_every_method(caches, method):
     model, calibration = load_drafter(out, target, "float32")
     assert model.dconfig == dcfg and calibration is None
     assert torch.equal(model.lm_head.weight, target.lm_head.weight)  # shared, not stored
+
+
+def test_expected_accepted_is_the_chain_of_slot_rates():
+    assert expected_accepted([0.5, 0.5, 1.0]) == pytest.approx(0.5 + 0.25 + 0.25)
+    assert expected_accepted([0.0, 1.0]) == 0.0
+    assert expected_accepted([]) == 0.0
+
+
+def test_early_stop_keeps_the_best_weights_and_counts_across_a_resume(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    keeper = EarlyStop.load(tmp_path, patience=2)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    assert not keeper.update(tmp_path, model, 10, 1.0)  # best
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    assert not keeper.update(tmp_path, model, 20, 0.9)  # worse: 1 since best
+    resumed = EarlyStop.load(tmp_path, patience=2)  # a killed run re-evaluates step 20: not counted twice
+    assert not resumed.update(tmp_path, model, 20, 0.9) and resumed.since == 1
+    assert resumed.update(tmp_path, model, 30, 1.0005)  # within min_delta of the best: not better, stop
+    assert EarlyStop.load(tmp_path, patience=2).stopped
+    assert resumed.restore_best(tmp_path, model) == 10 and torch.all(model.weight == 1.0)
+
+
+def test_training_stops_early_and_exports_the_best_step(caches):
+    target, _, cache, val, root = caches
+    dcfg = default_config("dspark", "tiny", TAPS, VOCAB - 1)
+    run_dir, out = root / "run-early", root / "out-early"
+    cfg = DrafterTrainConfig(run_dir=run_dir, out_dir=out, steps=40, batch_sequences=2, anchors_per_sequence=4,
+                             eval_every=1, checkpoint_every=1, lr=0.5, patience=2)  # lr 0.5 diverges: no new best
+    train(dcfg, target, cache, val, cfg, log=lambda _: None)
+    log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    scores = [r["val"]["expected_accepted"] for r in log]
+    best = json.loads((run_dir / "best.json").read_text())
+    assert best["stopped"] and len(log) < 40 and len(log) == best["best_step"] + 2
+    assert best["best"] == max(scores)
+    train(dcfg, target, cache, val, cfg, log=lambda _: None)  # a rerun of a stopped run trains no further
+    assert len((run_dir / "log.jsonl").read_text().splitlines()) == len(log)

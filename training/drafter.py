@@ -22,6 +22,7 @@ from drafter_worker.config import DrafterConfig, Method
 from services.model import CausalLM
 from training.anchors import block_labels, sample_anchors
 from training.drafter_losses import decay_weights, dflash_loss, dspark_loss, soft_ce_loss, step_weights
+from training.early_stop import EarlyStop, expected_accepted
 from training.schedule import warmup_cosine
 from training.state import resume_state, save_state
 from training.target_cache import TargetCache
@@ -41,6 +42,7 @@ class DrafterTrainConfig:
     eval_sequences: int = 48
     checkpoint_every: int = 50
     seed: int = 42
+    patience: int = 0  # evaluations without a better held-out acceptance before stopping; 0: run every step
 
 
 @dataclass(slots=True)
@@ -109,13 +111,14 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     step, elapsed = resume_state(cfg.run_dir, model, opt)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    keeper = EarlyStop.load(cfg.run_dir, cfg.patience)
     warmup = max(1, int(cfg.warmup_ratio * cfg.steps))
     log(f"{dcfg.method}: {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, {cfg.steps} steps of "
         f"{cfg.batch_sequences}x{cfg.anchors_per_sequence} anchors, γ={dcfg.block_size}, starting at step {step}")
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TextColumn("{task.fields[info]}"), TimeRemainingColumn()) as bar:
         task = bar.add_task(f"train {dcfg.method}", total=cfg.steps, completed=step, info="")
-        while step < cfg.steps:
+        while step < cfg.steps and not keeper.stopped:
             t0 = time.perf_counter()
             for group in opt.param_groups:
                 group["lr"] = warmup_cosine(step, cfg.steps, warmup, cfg.lr, floor_ratio=0.0)
@@ -133,11 +136,16 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
                       **{k: round(v.item(), 4) for k, v in terms.items() if v.dim() == 0}}
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 record["val"] = evaluate(model, val, cfg)
+                if keeper.update(cfg.run_dir, model, step, record["val"]["expected_accepted"]):
+                    log(f"stopping early at step {step}: no better held-out acceptance since step {keeper.best_step}")
             with (cfg.run_dir / "log.jsonl").open("a") as f:
                 f.write(json.dumps(record) + "\n")
             bar.update(task, completed=step, info=f"loss {record['loss']:.3f}")
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps or keeper.stopped:
                 save_state(cfg.run_dir, model, opt, step, elapsed, {k: str(v) for k, v in asdict(cfg).items()})
+    best = keeper.restore_best(cfg.run_dir, model)
+    if best is not None:
+        log(f"exporting the weights of step {best} (held-out expected accepted {keeper.best:.3f})")
     out = save_drafter(model, cfg.out_dir)
     (out / "training_log.jsonl").write_text((cfg.run_dir / "log.jsonl").read_text())
     return out
@@ -160,4 +168,6 @@ def evaluate(model: DraftModel, val: TargetCache, cfg: DrafterTrainConfig) -> di
     model.train()
     num = sum(a for a, _ in accepts)
     den = sum(m for _, m in accepts).clamp_min(1)
-    return {"loss": round(sum(losses) / len(losses), 4), "accept@k": [round(x, 4) for x in (num / den).tolist()]}
+    rates = (num / den).tolist()
+    return {"loss": round(sum(losses) / len(losses), 4), "accept@k": [round(x, 4) for x in rates],
+            "expected_accepted": round(expected_accepted(rates), 4)}
