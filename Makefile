@@ -6,7 +6,7 @@ MODEL ?= dspark-target
 PROMPT ?= def fibonacci(n):
 
 .PHONY: install serve test lint bench bench-tiers bench-policies bench-ray soak bench-overload results-serving data target-v2 \
-	data-deps test-deps drafters drafters-v2-cache acceptance image clean peer-check
+	data-deps test-deps drafters drafters-v2-cache drafters-v2 models acceptance image clean peer-check
 
 $(BIN)/dspark: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -85,12 +85,12 @@ data: data-deps $(BIN)/dspark
 	$(BIN)/dspark data build
 
 # Target v2 ([3/6]): corpus v2, then the 16-layer target on 20M tokens (about six hours on 2 cores with native
-# bf16). Resumable: build/train/target-v2 keeps the full state; on a fresh machine the run starts from the
-# newest export committed under runs/target-v2/export (weights and step; optimizer moments rebuilt).
+# bf16), exported to models/dspark-target-v2. Resumable: build/train/target-v2 keeps the full state; a fresh
+# machine starts from an export committed under runs/target-v2/export when there is one (weights and step).
 target-v2: data-deps $(BIN)/dspark
 	@test -f build/data-v2/manifest.json || $(BIN)/dspark data build --out build/data-v2 --eval-dir build/data-v2/eval
 	$(BIN)/dspark train target --data-dir build/data-v2 --run-dir build/train/target-v2 \
-		--out build/train/target-v2/final $$(test -d runs/target-v2/export && echo --resume-from runs/target-v2/export)
+		--out models/dspark-target-v2 $$(test -d runs/target-v2/export && echo --resume-from runs/target-v2/export)
 
 # Drafters v2 ([3/6]): rollouts of target v2 at the serving temperatures (0 and 1, mixed per prompt), up to 256
 # new tokens, 7,000 prompts per domain (~3M response tokens), in bf16 where native, then the feature cache.
@@ -100,6 +100,22 @@ drafters-v2-cache: data-deps $(BIN)/dspark
 	$(BIN)/dspark data target-cache --target dspark-target-v2 --data-dir build/data-v2 \
 		--prompts-per-domain 7000 --max-new-tokens 256 --temperatures 0 1 --code-prompts-per-file 12 \
 		--batch 64 --rollout-dtype auto --mirror-dir runs/drafters-v2
+
+# Drafters v2 ([3/6]) on that cache, to convergence: up to 4 epochs, early stopping after 4 evaluations without
+# a better held-out expected accepted length (the best weights are exported). DSpark and DFlash get the same data,
+# steps, anchors and learning rate; they train side by side on one thread each. Then Platt calibration (a
+# temperature and a bias per position) of DSpark's confidences at T = 1. Resumable: rerun after an interruption.
+V2 := --target dspark-target-v2 --data-dir build/data-v2 --patience 4 --eval-every 250
+drafters-v2: drafters-v2-cache
+	OMP_NUM_THREADS=1 $(BIN)/dspark train drafter --method dspark $(V2) --epochs 4 --anchors 32 & \
+	OMP_NUM_THREADS=1 $(BIN)/dspark train drafter --method dflash $(V2) --epochs 4 --anchors 32 & wait
+	$(BIN)/dspark train drafter --method eagle3 $(V2) --epochs 2 --anchors 48
+	$(BIN)/dspark train drafter --method mtp $(V2) --epochs 4 --anchors 32
+	$(BIN)/dspark calibrate --target dspark-target-v2 --drafter dspark-target-v2-dspark --data-dir build/data-v2 \
+		--temperature 1 --method platt
+
+# Every model from a clean checkout: corpus v2, target v2, its rollouts and cache, its drafters.
+models: target-v2 drafters-v2
 
 # The shipped drafters: target rollouts + feature cache (build/drafters/), then each method's training run,
 # then STS calibration of DSpark's confidences at T = 1. About 80 min on 2 CPU cores.
