@@ -42,6 +42,7 @@ def add_train_parser(train_sub) -> None:
     p.add_argument("--out", type=Path, help="exported drafter; default: models/TARGET-METHOD")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--epochs", type=float, help="instead of --steps: passes over the cache's sequences")
+    p.add_argument("--no-autocast", action="store_true", help="train in fp32 even where bf16 is native")
     p.add_argument("--patience", type=int, default=0,
                    help="stop after this many evaluations without a better held-out acceptance (0: never)")
     p.add_argument("--batch-sequences", type=int, default=8)
@@ -96,7 +97,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         run_dir=args.run_dir or cache_dir / "runs" / suffix, out_dir=args.out or Path("models") /
         f"{target_dir.name}-{suffix}", steps=_steps(args, len(train_cache)), batch_sequences=args.batch_sequences,
         anchors_per_sequence=args.anchors, lr=args.lr, eval_every=args.eval_every, seed=args.seed,
-        patience=args.patience)
+        patience=args.patience, autocast=False if args.no_autocast else None)
     target = load_model(target_dir, "float32", "cpu")
     out = train(dcfg, target, train_cache, val_cache, cfg, log=_log())
     _log()(f"exported the drafter to {out}")

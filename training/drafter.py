@@ -19,6 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from drafter_worker.checkpoint import DraftModel, build_draft_model, save_drafter
 from drafter_worker.config import DrafterConfig, Method
+from services.loader import native_bf16
 from services.model import CausalLM
 from training.anchors import block_labels, sample_anchors
 from training.drafter_losses import decay_weights, dflash_loss, dspark_loss, soft_ce_loss, step_weights
@@ -43,6 +44,7 @@ class DrafterTrainConfig:
     checkpoint_every: int = 50
     seed: int = 42
     patience: int = 0  # evaluations without a better held-out acceptance before stopping; 0: run every step
+    autocast: bool | None = None  # bf16 autocast of the training steps; None: where the device has native bf16
 
 
 @dataclass(slots=True)
@@ -112,9 +114,12 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
     step, elapsed = resume_state(cfg.run_dir, model, opt)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     keeper = EarlyStop.load(cfg.run_dir, cfg.patience)
+    device = target.device
+    autocast = native_bf16(device) if cfg.autocast is None else cfg.autocast  # validation stays fp32
     warmup = max(1, int(cfg.warmup_ratio * cfg.steps))
     log(f"{dcfg.method}: {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, {cfg.steps} steps of "
-        f"{cfg.batch_sequences}x{cfg.anchors_per_sequence} anchors, γ={dcfg.block_size}, starting at step {step}")
+        f"{cfg.batch_sequences}x{cfg.anchors_per_sequence} anchors, γ={dcfg.block_size}, bf16 autocast {autocast}, "
+        f"starting at step {step}")
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TextColumn("{task.fields[info]}"), TimeRemainingColumn()) as bar:
         task = bar.add_task(f"train {dcfg.method}", total=cfg.steps, completed=step, info="")
@@ -124,8 +129,9 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
                 group["lr"] = warmup_cosine(step, cfg.steps, warmup, cfg.lr, floor_ratio=0.0)
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # batch of step n is fixed: resumable
             indices = torch.randint(len(cache), (cfg.batch_sequences,), generator=gen).tolist()
-            batch = make_batch(cache, indices, cfg.anchors_per_sequence, dcfg.block_size, gen, target.device)
-            loss, terms = forward_loss(model, batch)
+            batch = make_batch(cache, indices, cfg.anchors_per_sequence, dcfg.block_size, gen, device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss, terms = forward_loss(model, batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
