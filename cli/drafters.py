@@ -28,6 +28,7 @@ def add_cache_parser(data_sub) -> None:
     p.add_argument("--batch", type=int, default=48, help="requests decoded together in the rollouts")
     p.add_argument("--rollout-dtype", default="float32", help="the dtype the target generates in (auto: bf16 "
                    "where native)")
+    p.add_argument("--compile", action="store_true", help="run the rollouts' target steps under torch.compile")
     p.add_argument("--mirror-dir", type=Path, help="gzip copies of the rollouts (commit them to resume elsewhere)")
 
 
@@ -67,7 +68,7 @@ def run_target_cache(args: argparse.Namespace) -> int:
 
     cfg = RolloutConfig(prompts_per_domain=args.prompts_per_domain, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, temperatures=tuple(args.temperatures),
-                        code_prompts_per_file=args.code_prompts_per_file, batch=args.batch)
+                        code_prompts_per_file=args.code_prompts_per_file, batch=args.batch, compile=args.compile)
     caches = prepare(args.target, _cache_dir(args), args.data_dir, cfg, val_per_domain=args.val_per_domain,
                      mirror_dir=args.mirror_dir, rollout_dtype=args.rollout_dtype)
     _log()(f"target caches: {', '.join(str(c) for c in caches.values())}")
