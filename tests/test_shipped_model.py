@@ -25,6 +25,11 @@ def test_shipped_target_is_listed():
     assert (MODELS_DIR / TARGET / "model.safetensors").stat().st_size <= 40 * 2**20
 
 
+def test_everything_shipped_fits_200_mb():
+    total = sum(f.stat().st_size for f in MODELS_DIR.rglob("*") if f.is_file())
+    assert total <= 200 * 10**6, f"models/ holds {total / 1e6:.0f} MB"
+
+
 def test_both_loaders_agree():
     ours = load_model(MODELS_DIR / TARGET, dtype="float32")
     ref = transformers.AutoModelForCausalLM.from_pretrained(MODELS_DIR / TARGET, dtype=torch.float32).eval()
