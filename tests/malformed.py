@@ -135,7 +135,8 @@ VERIFY_FAULTS = [
     lambda d, m, L: _set(m.draft.q.token_ids, _poke(d, list(m.draft.q.token_ids), L.out_of_vocab(d))),
     lambda d, m, L: m.draft.q.token_ids.__setitem__(1, m.draft.q.token_ids[0]),  # a support id twice
     lambda d, m, L: m.draft.q.token_ids.__setitem__(0, (m.draft.tokens[0] + m.draft.q.width) % L.vocab),  # q(x) = 0
-    lambda d, m, L: m.draft.confidences.pop() if d(st.booleans()) else m.draft.peaks.append(0.5),
+    # one value too many (popping one could leave a one-draft block with no confidences: a valid block)
+    lambda d, m, L: (m.draft.confidences if d(st.booleans()) else m.draft.peaks).append(0.5),
     lambda d, m, L: _poke(d, m.draft.confidences if d(st.booleans()) else m.draft.peaks, d(BAD_FLOAT)),
     lambda d, m, L: setattr(m, "feature_dtype", d(BAD_ENUM)),
 ]
