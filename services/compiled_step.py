@@ -28,7 +28,7 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as fx_config
 
-from services.attention import KV_MULTIPLE, AttentionPlan
+from services.attention import KV_MULTIPLE, AttentionPlan, step_block
 from services.layers import RaggedLayout
 from services.model import CausalLM, ForwardOutput
 
@@ -76,7 +76,8 @@ class CompiledStep:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: RaggedLayout,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, logit_rows: torch.Tensor) -> ForwardOutput:
         n, m = input_ids.shape[0], logit_rows.shape[0]
-        plan = AttentionPlan.build(layout.slots, layout.starts, layout.lens, input_ids.device, k_cache.shape[3])
+        plan = AttentionPlan.build(layout.slots, layout.starts, layout.lens, input_ids.device, k_cache.shape[3],
+                                   block=step_block(layout.lens))  # one block size: one graph
         ws, wp, bs, gather, mask, scatter = plan.tensors()
         size = _bucket if self.buckets else lambda x: max(2, x)
         ids, pos, ws, wp, scatter = (_pad(t, size(n)) for t in (input_ids, positions, ws, wp, scatter))

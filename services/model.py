@@ -101,13 +101,17 @@ class CausalLM(nn.Module):
         logit_rows: torch.Tensor,  # [M] int64, rows of N whose next-token logits are wanted
     ) -> ForwardOutput:
         plan = AttentionPlan.build(layout.slots, layout.starts, layout.lens, input_ids.device, k_cache[0].shape[2])
-        logits, features = self.step(input_ids, positions, *plan.tensors(), k_cache, v_cache, logit_rows)
+        logits, features = self._run(input_ids, positions, plan, k_cache, v_cache, logit_rows)
         return ForwardOutput(logits=logits, features=features)
 
     def step(self, input_ids, positions, write_slots, write_pos, block_slots, gather_rows, mask, scatter,
              k_cache, v_cache, logit_rows) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The forward on tensors only (an `AttentionPlan`'s, in field order): what `torch.compile` traces."""
+        """The forward on tensors only (an `AttentionPlan`'s of one block size, in field order): what
+        `torch.compile` traces."""
         plan = AttentionPlan(write_slots, write_pos, block_slots, gather_rows, mask, scatter)
+        return self._run(input_ids, positions, plan, k_cache, v_cache, logit_rows)
+
+    def _run(self, input_ids, positions, plan: AttentionPlan, k_cache, v_cache, logit_rows):
         x = self._embed(input_ids)  # [N, d]
         inputs = self._layer_inputs(positions, x.dtype, plan)  # cos, sin [N, 1, Dh] and a plan per layer kind
         taps = []

@@ -38,8 +38,12 @@ def logits_to_probs(
         # p < min_p · p_max  ⇔  logit < max logit + log(min_p), after temperature
         floor = scaled.max(-1, keepdim=True).values + min_p.clamp_min(1e-30).log().unsqueeze(-1)  # [M, 1]
         scaled = torch.where((min_p > 0).unsqueeze(-1) & (scaled < floor), float("-inf"), scaled)
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    filtered = ((top_k > 0) | (top_p < 1)) & ~greedy  # [M] rows whose sort changes something
+    if bool(filtered.all()):
         scaled = _filter_top_k_top_p(scaled, top_k, top_p)
+    elif bool(filtered.any()):  # sort only those rows (each row is filtered on its own: the same bits)
+        rows = filtered.nonzero().squeeze(-1)
+        scaled = scaled.index_copy(0, rows, _filter_top_k_top_p(scaled[rows], top_k[rows], top_p[rows]))
     probs = torch.softmax(scaled, dim=-1)
     if bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)

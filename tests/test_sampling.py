@@ -51,6 +51,20 @@ def test_logits_to_probs_filters():
     assert torch.allclose(probs.sum(-1), torch.ones(3))
 
 
+def test_a_rows_filter_does_not_depend_on_the_other_rows():
+    """Only the rows with top-k/top-p on are sorted: each row's probabilities are the bits it gets alone."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 500, generator=g) * 3
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.0, 0.0, 1.3])
+    top_k = torch.tensor([0, 0, 40, 0, 5, 0])
+    top_p = torch.tensor([0.9, 0.95, 1.0, 1.0, 1.0, 0.5])
+    together = logits_to_probs(logits, temperature, top_k, top_p)
+    for r in range(6):
+        alone = logits_to_probs(logits[r : r + 1], temperature[r : r + 1], top_k[r : r + 1], top_p[r : r + 1])
+        assert torch.equal(together[r], alone[0])
+    assert (together[1] == 0).any() and (together[5] > 0).sum() < (together[3] > 0).sum()
+
+
 def test_sparse_round_trip():
     probs = torch.softmax(torch.randn(3, 50), -1)
     ids, sparse = truncate_to_sparse(probs, 8)
