@@ -48,17 +48,56 @@ class BlockDraftModel(DraftModelBase):
         gamma: int,
     ) -> torch.Tensor:
         """→ h [A, γ, d], the final-normed state of every slot that predicts a draft."""
-        fill_in = self.dconfig.layout == "fill_in"
-        gamma += fill_in  # fill-in: the anchor's slot predicts nothing
+        x, rope = self._block_inputs(anchors, anchor_pos, gamma)  # [A, γ', d]
+        block = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)  # bidirectional inside the block
+        mask = torch.cat([ctx_mask, block], dim=1)[:, None, None, :]  # [A, 1, 1, S+γ']
+        for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
+            x = layer(x, rope, k, v, mask)
+        return self._final(x)
+
+    def backbone_packed(
+        self,
+        anchors: torch.Tensor,  # [A] int64 anchor tokens
+        anchor_pos: torch.Tensor,  # [A] int64 anchor positions
+        seq: torch.Tensor,  # [A] int64 sequence of each anchor, ascending
+        ctx_kv: ContextKV,  # per layer [B, Hkv, S, Dh], one context per sequence
+        gamma: int,
+    ) -> torch.Tensor:
+        """`backbone` for training: the blocks of one sequence are the rows of one attention problem over that
+        sequence's context (a block sees the context before its anchor and itself), so the context keys are
+        not copied per anchor and their gradients are not scattered back per anchor. Same h [A, γ, d]."""
+        b, s = ctx_kv[0][0].shape[0], ctx_kv[0][0].shape[2]
+        x, rope = self._block_inputs(anchors, anchor_pos, gamma)  # [A, γ', d]
+        width = x.shape[1]
+        counts = torch.bincount(seq, minlength=b)  # [B] blocks of each sequence
+        first = torch.cumsum(counts, 0) - counts  # [B] index of each sequence's first block
+        rank = torch.arange(len(seq), device=seq.device) - first[seq]  # [A] place of a block in its sequence
+        per = int(counts.max())
+        place = seq * per + rank  # [A] slot in the padded [B, per] layout
+        rows = x.new_zeros(b * per, width, x.shape[2]).index_copy(0, place, x).view(b, per * width, -1)
+        cos, sin = (t.new_zeros(b * per, *t.shape[1:]).index_copy(0, place, t) for t in rope)
+        rope = (cos.view(b, per * width, *cos.shape[2:]), sin.view(b, per * width, *sin.shape[2:]))
+        pos = torch.full((b * per,), -1, dtype=torch.long, device=x.device).index_copy(0, place, anchor_pos)
+        ctx = torch.arange(s, device=x.device) < pos.view(b, per, 1)  # [B, per, S] (padding blocks: nothing)
+        block_id = torch.arange(per, device=x.device).repeat_interleave(width)  # [per·γ'] block of each row
+        own = block_id[:, None] == block_id[None, :]  # [per·γ', per·γ'] a row sees its own block
+        mask = torch.cat([ctx.repeat_interleave(width, dim=1), own.expand(b, -1, -1)], dim=2)[:, None]
+        for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
+            rows = layer(rows, rope, k, v, mask)  # [B, per·γ', d]
+        return self._final(rows.view(b * per, width, -1)[place])
+
+    def _block_inputs(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, gamma: int):
+        """→ x [A, γ', d] embeddings of [anchor, MASK, ..., MASK] and their rope (γ' = γ, or γ + 1 for fill-in)."""
+        gamma += self.dconfig.layout == "fill_in"  # fill-in: the anchor's slot predicts nothing
         slots = torch.full((anchors.shape[0], gamma), self.dconfig.mask_token_id, dtype=torch.long,
                            device=anchors.device)
-        slots[:, 0] = anchors  # [A, γ]: anchor, MASK, ..., MASK
-        positions = anchor_pos[:, None] + torch.arange(gamma, device=anchors.device)  # [A, γ]
-        x = self.embed_tokens(slots)  # [A, γ, d]
-        rope = self.rotary().gather(positions, x.dtype)  # [A, γ, 1, Dh]
-        for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
-            x = layer(x, rope, k, v, ctx_mask)
-        return self.norm(x[:, 1:] if fill_in else x)
+        slots[:, 0] = anchors  # [A, γ']
+        positions = anchor_pos[:, None] + torch.arange(gamma, device=anchors.device)  # [A, γ']
+        x = self.embed_tokens(slots)  # [A, γ', d]
+        return x, self.rotary().gather(positions, x.dtype)  # rope [A, γ', 1, Dh]
+
+    def _final(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x[:, 1:] if self.dconfig.layout == "fill_in" else x)
 
     def block_start(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv: ContextKV, ctx_mask: torch.Tensor,
                     gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -81,20 +81,18 @@ class BlockLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [A, γ, d] block hidden states
-        rope: Rope,  # [A, γ, 1, Dh] at the block positions
-        ctx_k: torch.Tensor,  # [A | 1, Hkv, S, Dh] injected context keys (this layer's projection)
-        ctx_v: torch.Tensor,  # [A | 1, Hkv, S, Dh]
-        ctx_mask: torch.Tensor,  # [A, S] bool, True where the block may see the context position
+        x: torch.Tensor,  # [G, n, d] block hidden states: G groups of n rows (a block of γ, or a sequence's blocks)
+        rope: Rope,  # [G, n, 1, Dh] at the rows' positions
+        ctx_k: torch.Tensor,  # [G | 1, Hkv, S, Dh] injected context keys (this layer's projection)
+        ctx_v: torch.Tensor,  # [G | 1, Hkv, S, Dh]
+        mask: torch.Tensor,  # [G, 1, n | 1, S + n] bool, True where a row may see a context position or row
     ) -> torch.Tensor:
-        a, gamma, _ = x.shape
+        g = x.shape[0]
         h = self.input_layernorm(x)
-        q = self.self_attn.queries(h, rope)  # [A, H, γ, Dh]
-        k, v = self.self_attn.keys_values(h, rope)  # [A, Hkv, γ, Dh]
-        k = torch.cat([ctx_k.expand(a, -1, -1, -1), k], dim=2)  # [A, Hkv, S+γ, Dh]
-        v = torch.cat([ctx_v.expand(a, -1, -1, -1), v], dim=2)
-        block = torch.ones(a, gamma, dtype=torch.bool, device=x.device)  # bidirectional inside the block
-        mask = torch.cat([ctx_mask, block], dim=1)[:, None, None, :]  # [A, 1, 1, S+γ]
+        q = self.self_attn.queries(h, rope)  # [G, H, n, Dh]
+        k, v = self.self_attn.keys_values(h, rope)  # [G, Hkv, n, Dh]
+        k = torch.cat([ctx_k.expand(g, -1, -1, -1), k], dim=2)  # [G, Hkv, S+n, Dh]
+        v = torch.cat([ctx_v.expand(g, -1, -1, -1), v], dim=2)
         x = x + self.self_attn.attend(q, k, v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -190,3 +192,25 @@ def test_compiled_greedy_blocks_draft_what_eager_drafts(target, plain):
     eager, compiled = runs
     assert [r.token_ids for r in compiled] == [r.token_ids for r in plain[:3]]
     assert [(r.cycles, r.accepted_tokens) for r in compiled] == [(r.cycles, r.accepted_tokens) for r in eager]
+
+
+@pytest.mark.parametrize("layout", ["anchor", "fill_in"])
+@torch.no_grad()
+def test_packed_training_backbone_equals_the_per_block_one(target, layout):
+    """Training runs a sequence's blocks as one attention problem over its context; each block's states are
+    those of the per-anchor backbone drafting uses (sequences with different anchor counts, one with none)."""
+    model = draft_model(target, "dspark")
+    model.dconfig = dataclasses.replace(model.dconfig, layout=layout)
+    seqs = [random_prompts(4)[3], random_prompts(3)[1], random_prompts(4)[0]]
+    width = max(len(t) for t in seqs)
+    taps = torch.zeros(len(seqs), width, target.config.hidden_size * len(TAPS))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    for b, t in enumerate(seqs):
+        taps[b, : len(t)] = _context_taps(target, t)
+        ids[b, : len(t)] = torch.tensor(t)
+    seq, anchors = torch.tensor([0, 0, 0, 2, 2]), torch.tensor([3, 9, 17, 1, 11])  # sequence 1: no block
+    kv = model.context_kv(taps, torch.arange(width).expand(len(seqs), width))
+    packed = model.backbone_packed(ids[seq, anchors], anchors, seq, kv, 4)
+    mask = torch.arange(width)[None] < anchors[:, None]
+    per_block = model.backbone(ids[seq, anchors], anchors, [(k[seq], v[seq]) for k, v in kv], mask, 4)
+    torch.testing.assert_close(packed, per_block, atol=1e-5, rtol=1e-5)

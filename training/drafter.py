@@ -88,10 +88,9 @@ def forward_loss(model: DraftModel, batch: Batch) -> tuple[torch.Tensor, dict[st
     if dcfg.method.is_block:
         b, s = batch.ids.shape
         positions = torch.arange(s, device=batch.ids.device).expand(b, s)
-        kv = [(k[batch.seq], v[batch.seq]) for k, v in model.context_kv(batch.taps, positions)]  # [A, Hkv, S, Dh]
-        ctx_mask = torch.arange(s, device=batch.ids.device)[None] < batch.anchors[:, None]  # [A, S] strictly before
+        kv = model.context_kv(batch.taps, positions)  # per layer [B, Hkv, S, Dh]
         anchor_tokens = batch.ids[batch.seq, batch.anchors]
-        h = model.backbone(anchor_tokens, batch.anchors, kv, ctx_mask, gamma)  # [A, γ, d]
+        h = model.backbone_packed(anchor_tokens, batch.anchors, batch.seq, kv, gamma)  # [A, γ, d]
         prev = torch.cat([anchor_tokens[:, None], batch.labels[:, :-1]], dim=1)  # teacher forcing [A, γ]
         logits, conf = model.teacher_forced(h, prev)
         weights = decay_weights(batch.eval_mask)
