@@ -66,6 +66,41 @@ class ChainDraftModel(DraftModelBase):
             hidden = torch.cat([out[:, :1], out[:, :-1]], dim=1)  # row j now carries step t's row j−1
         return outs
 
+    def unrolled_at(self, taps: torch.Tensor, ids: torch.Tensor, seq: torch.Tensor, anchors: torch.Tensor,
+                    steps: int) -> torch.Tensor:
+        """`unrolled` read where training scores it: step k's row a−1+k for each anchor a → [A, steps, d]
+        (`seq` [A], ascending, and `anchors` [A] as in a training batch). Step 0 runs over whole sequences
+        (it is every chain's context); from step 1 on only the anchors' own chains run, since row a−1+k of
+        step k sees step-0 keys of rows ≤ a−1 and the keys of its own chain only. The chains of a sequence
+        are one attention problem over its step-0 keys: a tenth of the rows of `unrolled` at 48 anchors."""
+        b, s = ids.shape
+        device = ids.device
+        next_tokens = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # [B, S]
+        rows = torch.arange(s, device=device)
+        residual, q, k0, v0 = self.project(self.context(taps), next_tokens, rows.expand(b, s))
+        out = self.finish(residual, q, k0, v0, (rows[None, :] <= rows[:, None])[None, None])  # [B, S, d]
+        out = out[seq, (anchors - 1).clamp(0, s - 1)]  # [A, d] step 0's row a−1
+        counts = torch.bincount(seq, minlength=b)  # [B] chains per sequence
+        rank = torch.arange(len(seq), device=device) - (torch.cumsum(counts, 0) - counts)[seq]
+        per = int(counts.max())
+        place = seq * per + rank  # [A] slot of each chain in the padded [B, per] layout
+        start = torch.zeros(b * per, dtype=torch.long, device=device).index_copy(0, place, anchors).view(b, per)
+        context = rows[None, None, :] < start[:, :, None]  # [B, per, S] step-0 rows ≤ a−1 (padding: none)
+        own = torch.eye(per, dtype=torch.bool, device=device).expand(b, per, per)  # a chain sees its own keys
+        attn = self.layer.self_attn
+        keys, values, mask, picked = [k0], [v0], [context], [out]
+        for t in range(1, steps):
+            r = (anchors - 1 + t).clamp(max=s - 1)  # [A] this step's row of each chain
+            res_t, q_t, k_t, v_t = self.project(out[:, None], next_tokens[seq, r][:, None], r[:, None])
+            keys.append(_padded(k_t, place, b, per))  # [B, Hkv, per, Dh]
+            values.append(_padded(v_t, place, b, per))
+            mask.append(own)
+            o = attn.attend(_padded(q_t, place, b, per), torch.cat(keys, 2), torch.cat(values, 2),
+                            torch.cat(mask, 2)[:, None])  # [B, per, d]
+            out = self.layer.finish(res_t[:, 0], o.reshape(b * per, -1)[place])  # [A, d]
+            picked.append(out)
+        return torch.stack(picked, dim=1)  # [A, steps, d]
+
     def _ttt_attention(self, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                        t: int) -> torch.Tensor:
         """Step-t rows: step-0 keys of rows ≤ j−t plus the diagonal keys of steps 1..t → [B, S, d]."""
@@ -95,3 +130,9 @@ def _shift_rows(x: torch.Tensor, shift: int) -> torch.Tensor:
     if shift == 0:
         return x
     return torch.cat([x[:, :, :1].expand(-1, -1, shift, -1), x[:, :, :-shift]], dim=2)
+
+
+def _padded(x: torch.Tensor, place: torch.Tensor, b: int, per: int) -> torch.Tensor:
+    """Per-chain x [A, heads, 1, Dh] → [B, heads, per, Dh], chain i at row place[i] % per of its sequence."""
+    flat = x.new_zeros(b * per, *x.shape[1:]).index_copy(0, place, x)  # [B·per, heads, 1, Dh]
+    return flat.view(b, per, x.shape[1], x.shape[3]).transpose(1, 2)

@@ -214,3 +214,23 @@ def test_packed_training_backbone_equals_the_per_block_one(target, layout):
     mask = torch.arange(width)[None] < anchors[:, None]
     per_block = model.backbone(ids[seq, anchors], anchors, [(k[seq], v[seq]) for k, v in kv], mask, 4)
     torch.testing.assert_close(packed, per_block, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+@torch.no_grad()
+def test_anchored_training_time_test_equals_the_whole_unroll(target, method):
+    """Training unrolls only the anchors' chains past step 0; each chain's rows are those of the whole-sequence
+    training-time test at the same (anchor, step)."""
+    model = draft_model(target, method)
+    seqs = [random_prompts(4)[3], random_prompts(3)[1], random_prompts(4)[0]]
+    width = max(len(t) for t in seqs)
+    taps = torch.zeros(len(seqs), width, target.config.hidden_size * len(TAPS))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    for b, t in enumerate(seqs):
+        taps[b, : len(t)] = _context_taps(target, t)
+        ids[b, : len(t)] = torch.tensor(t)
+    seq, anchors = torch.tensor([0, 0, 0, 2, 2]), torch.tensor([3, 9, 17, 1, 11])  # sequence 1: no chain
+    steps = model.dconfig.block_size
+    outs = model.unrolled(taps, ids, steps)
+    whole = torch.stack([outs[k][seq, anchors - 1 + k] for k in range(steps)], dim=1)
+    torch.testing.assert_close(model.unrolled_at(taps, ids, seq, anchors, steps), whole, atol=1e-5, rtol=1e-5)

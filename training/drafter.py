@@ -97,10 +97,7 @@ def forward_loss(model: DraftModel, batch: Batch) -> tuple[torch.Tensor, dict[st
         if dcfg.method is Method.DFLASH:
             return dflash_loss(logits, target_logits, batch.labels, weights)
         return dspark_loss(logits, target_logits, batch.labels, weights, conf)
-    outs = model.unrolled(batch.taps, batch.ids, gamma)  # γ × [B, S, d]
-    s = batch.ids.shape[1]  # row a−1+k of step k (clamped rows are masked out)
-    chain_rows = ((batch.anchors - 1)[:, None] + torch.arange(gamma, device=batch.ids.device)).clamp(max=s - 1)
-    picked = torch.stack([outs[k][batch.seq, chain_rows[:, k]] for k in range(gamma)], dim=1)  # [A, γ, d]
+    picked = model.unrolled_at(batch.taps, batch.ids, batch.seq, batch.anchors, gamma)  # [A, γ, d] row a−1+k of step k
     return soft_ce_loss(model.logits(picked), target_logits, step_weights(batch.eval_mask))
 
 
