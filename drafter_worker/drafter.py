@@ -21,6 +21,7 @@ from drafter_worker.block_model import BlockDraftModel
 from drafter_worker.calibration import Calibration
 from drafter_worker.chain_model import ChainDraftModel
 from drafter_worker.proposer import StatelessProposer
+from drafter_worker.speculation import Outcome, likely_outcomes
 from services.sampling import logits_to_probs, truncate_to_sparse
 from services.types import DraftBlock, SamplingParams
 
@@ -91,7 +92,7 @@ class Drafter(StatelessProposer):
         anchors = torch.tensor([contexts[rid][-1] for rid in ready], device=self.device)  # [R]
         anchor_pos = torch.tensor([len(contexts[rid]) - 1 for rid in ready], device=self.device)  # [R]
         for rid in ready:
-            self._fold(rid, contexts[rid])
+            self.fold(rid, contexts[rid])
         kv, mask = self._padded_context(ready)
         tokens, q, conf, peaks = self._draft_block(anchors, anchor_pos, kv, mask, sampling, gamma) if self.block \
             else self._draft_chain(ready, anchor_pos, kv, mask, sampling, gamma)
@@ -101,11 +102,17 @@ class Drafter(StatelessProposer):
                                   confidences=None if conf is None else conf[i].tolist(), peaks=peaks[i].tolist())
         return out
 
-    def _fold(self, rid: str, tokens: list[int]) -> None:
-        """Turn pending features into context K/V (block models) or run them as context rows (chain)."""
-        ctx = self._contexts[rid]
-        if not ctx.pending:
-            return
+    def fold(self, rid: str, tokens: list[int]) -> bool:
+        """Turn pending features into context K/V (block models) or run them as context rows (chain);
+        whether the context now holds every position before the anchor (the last of `tokens`)."""
+        ctx = self._contexts.get(rid)
+        if ctx is None or ctx.known != len(tokens) - 1:
+            return False
+        if ctx.pending:
+            self._fold_pending(ctx, tokens)
+        return True
+
+    def _fold_pending(self, ctx: _Context, tokens: list[int]) -> None:
         taps = torch.cat(ctx.pending)[None]  # [1, P, T*d]
         positions = torch.arange(ctx.pending_start, ctx.pending_start + taps.shape[1], device=self.device)[None]
         ctx.pending = []
@@ -124,6 +131,64 @@ class Drafter(StatelessProposer):
         ctx.kv = new if not ctx.kv else [(torch.cat([k0, k1], 1), torch.cat([v0, v1], 1))
                                          for (k0, v0), (k1, v1) in zip(ctx.kv, new, strict=True)]
         ctx.positions = int(positions[0, -1]) + 1
+
+    @torch.no_grad()
+    def predraft(self, sent: dict[str, tuple[list[int], list[int], list[float], SamplingParams]], gamma: int,
+                 budget: int) -> dict[str, dict[Outcome, DraftBlock]]:
+        """For each request (committed tokens, the drafts sent to verification, their survival estimates, its
+        sampling), blocks for the `budget` likeliest outcomes, each anchored at its outcome's token
+        (`speculation.py`), all in one batch. The positions verification has not yet given features for (the
+        old anchor and the accepted drafts) get stand-ins: the block's own states h_0..h_ℓ, projected to each
+        layer's context keys and values as target features are. Block models only (chain models: nothing)."""
+        rids = [rid for rid, (tokens, *_) in sent.items() if self.block and self.fold(rid, tokens)]
+        if not rids:
+            return {}
+        model, dev = self.model, self.device
+        tokens = [sent[rid][0] for rid in rids]
+        drafts = [sent[rid][1] for rid in rids]
+        width = max(len(d) for d in drafts) + 1  # slots p..p+ℓs of the longest verified block
+        kv, mask = self._padded_context(rids)  # per layer [R, Hkv, S, Dh], [R, S]
+        start = torch.tensor([len(t) - 1 for t in tokens], device=dev)  # [R] anchor positions
+        h = model.backbone(torch.tensor([t[-1] for t in tokens], device=dev), start, kv, mask, width)  # [R, W, d]
+        prev = torch.tensor([[t[-1], *d, *[0] * (width - 1 - len(d))] for t, d in zip(tokens, drafts, strict=True)],
+                            device=dev)  # [R, W] teacher-forced: anchor, then the drafts
+        logits, _ = model.teacher_forced(h, prev)  # [R, W, V] positions p+1..p+W
+        owner, outcomes = [], []
+        for r, rid in enumerate(rids):
+            _, d, survival, params = sent[rid]
+            found = likely_outcomes(d, survival, self._outcome_probs(logits[r, : len(d) + 1].float(), params), budget)
+            owner.extend([r] * len(found))
+            outcomes.extend(found)
+        if not outcomes:
+            return {}
+        rows = torch.tensor(owner, device=dev)  # [n] request of each outcome
+        rope = model.rotary().gather(start[:, None] + torch.arange(width, device=dev), h.dtype)  # [R, W, 1, Dh]
+        ext = []
+        for (k, v), layer in zip(kv, model.layers, strict=True):
+            sk, sv = layer.self_attn.keys_values(h, rope)  # [R, Hkv, W, Dh] the stand-ins
+            ext.append((torch.cat([k, sk], 2)[rows], torch.cat([v, sv], 2)[rows]))  # [n, Hkv, S+W, Dh]
+        accepted = torch.tensor([o.accepted for o in outcomes], device=dev)  # [n]
+        seen = torch.arange(width, device=dev)[None] <= accepted[:, None]  # [n, W] stand-ins ≤ ℓ
+        new, q, conf, peaks = self._draft_block(
+            torch.tensor([o.token for o in outcomes], device=dev), start[rows] + 1 + accepted, ext,
+            torch.cat([mask[rows], seen], 1), [sent[rids[r]][3] for r in owner], gamma)
+        out: dict[str, dict[Outcome, DraftBlock]] = {rid: {} for rid in rids}
+        for i, (r, o) in enumerate(zip(owner, outcomes, strict=True)):
+            out[rids[r]][o] = DraftBlock(tokens=new[i], q_ids=None if q[i] is None else q[i][0],
+                                         q_probs=None if q[i] is None else q[i][1],
+                                         confidences=None if conf is None else conf[i].tolist(),
+                                         peaks=peaks[i].tolist(), ahead=True)
+        return out
+
+    @staticmethod
+    def _outcome_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """[n, V] the distributions the outcome is guessed from: the request's own (T = 1 for greedy, whose
+        one-hot would rank nothing but the argmax)."""
+        if params.greedy:
+            return logits.softmax(-1)
+        n = logits.shape[0]
+        return logits_to_probs(logits, torch.full((n,), params.temperature), torch.full((n,), params.top_k),
+                               torch.full((n,), params.top_p))
 
     def _padded_context(self, rids: list[str]):
         """Per layer (k, v) [R, Hkv, S, Dh] padded to the longest context, and the mask [R, S]."""

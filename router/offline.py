@@ -55,6 +55,8 @@ class GenerationResult:
     queued_s: float = 0.0  # from `generate` to the first scheduled step: the wait for a slot (KV or batch)
     logprobs: TokenLogprobs | None = None  # [len(token_ids)] when params.logprobs is set
     prompt_logprobs: TokenLogprobs | None = None  # prompt tokens 1.. when params.prompt_logprobs is set
+    ahead_cycles: int = 0  # cycles verifying a block drafted ahead (drafter_worker/ahead.py)
+    ahead_accepted: int = 0  # drafts accepted in them
 
     @property
     def tau(self) -> float:
@@ -81,6 +83,8 @@ class _Session:
     accepted_per_pos: list[int] = field(default_factory=list)
     proposed_per_pos: list[int] = field(default_factory=list)
     block: DraftBlock | None = None  # the cycle in flight
+    ahead_cycles: int = 0  # cycles whose block was drafted ahead (a speculation-cache hit)
+    ahead_accepted: int = 0  # drafts accepted in those cycles
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
 
@@ -151,14 +155,19 @@ class LocalRouter:
         contexts = {rid: self.engine.tokens(rid) for rid in ready if bounds[rid] > 0}
         params = {rid: ready[rid].request.params for rid in contexts}
         blocks = self.proposer.propose(contexts, self.gamma, params) if contexts and self.proposer else {}
+        sent = {}
         for rid, session in ready.items():
             block = blocks.get(rid)
             if block is not None:
-                params = session.request.params
-                ell = self.planner.decide(rid, self.policy, "", params.greedy, block, bounds[rid]).verify_len
+                ell = self.planner.decide(rid, self.policy, "", session.request.params.greedy, block,
+                                          bounds[rid]).verify_len
                 block = block.head(ell)
+                sent[rid] = (contexts[rid], block)
             self.engine.submit(rid, block)
             session.in_flight, session.block = True, block
+        speculate = getattr(self.proposer, "speculate", None)  # a drafter that runs ahead (drafter_worker/ahead.py)
+        if speculate is not None and sent:
+            speculate(sent, self.gamma, params)
 
     @staticmethod
     def _commit(session: _Session, out: StepOutput) -> list[int]:
@@ -181,6 +190,9 @@ class LocalRouter:
                 session.proposed_per_pos.extend([0] * (out.num_drafts - len(session.proposed_per_pos)))
             for k in range(out.num_drafts):
                 session.proposed_per_pos[k] += 1
+            if session.block is not None and session.block.ahead:
+                session.ahead_cycles += 1
+                session.ahead_accepted += out.num_accepted
         req = session.request
         new = keep(out.emitted, session.output, req.params.max_tokens, req.stop_token_ids)
         session.output.extend(new)
@@ -214,4 +226,6 @@ class LocalRouter:
             queued_s=session.scheduled - session.queued,
             logprobs=session.logprobs,
             prompt_logprobs=session.prompt_logprobs,
+            ahead_cycles=session.ahead_cycles,
+            ahead_accepted=session.ahead_accepted,
         )

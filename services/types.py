@@ -104,6 +104,7 @@ class DraftBlock:
     # [γ] max_v q_k(v) of the draft distribution each token was drawn from (computed from x_<k only,
     # never from x_k): the acceptance signal of drafters without a confidence head
     peaks: list[float] | None = None
+    ahead: bool = False  # drafted ahead, during the verification before (a speculation-cache hit)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -117,6 +118,7 @@ class DraftBlock:
             q_probs=None if self.q_probs is None else self.q_probs[cut],
             confidences=None if self.confidences is None else self.confidences[cut],
             peaks=None if self.peaks is None else self.peaks[cut],
+            ahead=self.ahead,
         )
 
 

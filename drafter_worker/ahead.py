@@ -1,0 +1,57 @@
+"""`RunAhead`: a `Drafter` that drafts the next block while the current one is verified.
+
+The router calls `speculate` once a block is cut to its verify length and sent; the drafter pre-drafts the
+next block for the likeliest outcomes (`Drafter.predraft`, cached in `SpeculationCache`). The next `propose`
+answers a request from the cache when its committed tokens show a cached outcome (a hit, `DraftBlock.ahead`)
+and drafts the others as before. In process the two run in turn (the hit rate and the acceptance of cached
+blocks are measured that way); across the tiers the drafter runs `speculate` while the verifier works.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafter_worker.drafter import Drafter
+from drafter_worker.speculation import Speculation, SpeculationCache
+from services.types import DraftBlock, SamplingParams
+
+DEFAULT_BUDGET = 24  # pre-drafted blocks per request and cycle (the SSD paper's runs: 20–30)
+
+
+class RunAhead:
+    def __init__(self, drafter: Drafter, budget: int = DEFAULT_BUDGET):
+        if budget < 1:
+            raise ValueError(f"the speculation budget must be at least 1, got {budget}")
+        self.drafter, self.budget = drafter, budget
+        self.cache = SpeculationCache()
+
+    def commit(self, request_id: str, feature_start: int, features: torch.Tensor | None) -> None:
+        self.drafter.commit(request_id, feature_start, features)
+
+    def release(self, request_id: str) -> None:
+        self.drafter.release(request_id)
+        self.cache.drop(request_id)
+
+    def propose(self, contexts: dict[str, list[int]], gamma: int,
+                params: dict[str, SamplingParams] | None = None) -> dict[str, DraftBlock]:
+        hits = {}
+        for rid, tokens in contexts.items():
+            block = self.cache.take(rid, tokens)
+            if block is not None and gamma > 0:
+                self.drafter.fold(rid, tokens)  # the verified features still join the context
+                hits[rid] = block.head(gamma)
+        fresh = self.drafter.propose({rid: t for rid, t in contexts.items() if rid not in hits}, gamma, params)
+        return {**fresh, **hits}
+
+    def speculate(self, sent: dict[str, tuple[list[int], DraftBlock]], gamma: int,
+                  params: dict[str, SamplingParams] | None = None) -> None:
+        """`sent`: per request its committed tokens and the block sent to verification (cut to ℓ_s)."""
+        params = params or {}
+        work = {}
+        for rid, (tokens, block) in sent.items():
+            survival = block.confidences if block.confidences is not None else block.peaks
+            if survival is not None:  # else nothing to estimate the outcome from
+                work[rid] = (tokens, list(block.tokens), survival, params.get(rid, SamplingParams()))
+        for rid, blocks in self.drafter.predraft(work, gamma, self.budget).items():
+            if blocks:
+                self.cache.store(rid, Speculation(len(work[rid][0]), work[rid][1], blocks))

@@ -1,0 +1,99 @@
+"""The drafter running ahead (speculation cache): outcome rules, exactness with the cache on, hits counted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter_worker.ahead import RunAhead
+from drafter_worker.drafter import Drafter
+from drafter_worker.speculation import Outcome, Speculation, SpeculationCache, likely_outcomes, outcome_of
+from router.offline import GenerationRequest, LocalRouter
+from router.scheduling.policy import Policy
+from services.types import DraftBlock, SamplingParams
+from tests.conftest import make_engine, make_model, random_prompts
+from tests.test_drafters import TAPS, draft_model
+from tests.test_engine_distribution import PARAMS, PROMPT, VOCAB, _marginals, _p_value
+
+
+def test_the_outcome_is_read_from_the_committed_tokens():
+    spec = Speculation(base=3, drafts=[7, 8, 9], blocks={})
+    assert outcome_of(spec, [1, 2, 3, 7, 8, 4]) == Outcome(2, 4)  # x1, x2 accepted, 4 recovered
+    assert outcome_of(spec, [1, 2, 3, 5]) == Outcome(0, 5)
+    assert outcome_of(spec, [1, 2, 3, 7, 8, 9, 6]) == Outcome(3, 6)  # all accepted, 6 the bonus
+    assert outcome_of(spec, [1, 2, 3, 7, 5, 4]) is None  # not what the block drafted: no outcome of it
+    assert outcome_of(spec, [1, 2, 3]) is None
+
+
+def test_likely_outcomes_weigh_positions_by_survival_and_drop_the_rejected_draft():
+    probs = torch.tensor([[0.6, 0.3, 0.1, 0.0], [0.1, 0.2, 0.3, 0.4], [0.0, 0.0, 0.5, 0.5]])  # positions 1..3
+    # a_1 = 0.5, a_2 = 0.9: P(ℓ=0) = 0.5, P(ℓ=1) = 0.05, P(ℓ=2) = 0.45
+    best = likely_outcomes([0, 3], [0.5, 0.9], probs, budget=4)
+    assert best[0] == Outcome(0, 1)  # 0.5 · 0.3/0.4: the rejected draft 0 is not a recovered token
+    assert Outcome(0, 0) not in likely_outcomes([0, 3], [0.5, 0.9], probs, budget=12)
+    assert set(best[1:3]) == {Outcome(2, 2), Outcome(2, 3)}  # the bonus keeps its own distribution: 0.225 each
+    assert best[3] == Outcome(0, 2)  # 0.5 · 0.1/0.4 = 0.125 beats every ℓ = 1 outcome (≤ 0.05 · 0.5)
+
+
+def test_the_cache_is_consumed_by_the_next_request():
+    cache = SpeculationCache()
+    block = DraftBlock(tokens=[4, 4], ahead=True)
+    cache.store("r", Speculation(2, [9], {Outcome(0, 5): block}))
+    assert cache.take("r", [1, 2, 5]) is block and cache.stats.hits == 1
+    assert cache.take("r", [1, 2, 5]) is None and cache.stats.misses == 0  # nothing stored: not a miss
+    cache.store("r", Speculation(2, [9], {Outcome(0, 5): block}))
+    assert cache.take("r", [1, 2, 9, 3]) is None and cache.stats.misses == 1
+    assert cache.stats.fanout == 2
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_model(layers=3, taps=TAPS)
+
+
+def _requests(temperature: float = 0.0) -> list[GenerationRequest]:
+    return [GenerationRequest(f"r{i}", p, SamplingParams(temperature=temperature, max_tokens=28 - 2 * i, seed=i))
+            for i, p in enumerate(random_prompts(5))]
+
+
+@pytest.mark.parametrize("method", ["dspark", "dflash"])
+def test_greedy_with_the_drafter_ahead_equals_plain(target, method):
+    plain = LocalRouter(make_engine(target), policy=Policy.NONE).generate(_requests())
+    ahead = RunAhead(Drafter(draft_model(target, method)), budget=48)
+    spec = LocalRouter(make_engine(target, num_slots=3, max_batch_tokens=10), ahead, Policy.FIXED, 4).generate(
+        _requests())
+    for s, p in zip(spec, plain, strict=True):
+        assert s.token_ids == p.token_ids, f"{method} ahead diverged on {s.request_id}"
+    stats = ahead.cache.stats
+    assert stats.hits > 0 and stats.misses > 0 and stats.fanout > 0
+    assert sum(r.ahead_cycles for r in spec) == stats.hits  # every hit was verified as a block drafted ahead
+
+
+@pytest.mark.slow
+def test_sampling_with_the_drafter_ahead_keeps_the_target_distribution():
+    """χ² of the 2nd and 3rd tokens with cached blocks verified against the q they were drawn from."""
+    model = make_model(vocab=VOCAB, layers=1, hidden=32, seed=5, taps=(0,))
+    torch.manual_seed(0)
+    ahead = RunAhead(Drafter(draft_model_for(model)), budget=8)
+    n = 2500
+    requests = [GenerationRequest(f"r{i}", PROMPT, SamplingParams(max_tokens=4, seed=i, **PARAMS)) for i in range(n)]
+    router = LocalRouter(make_engine(model, num_slots=64, max_len=16, max_batch_tokens=512, max_waiting=4096),
+                         ahead, Policy.FIXED, gamma=1)
+    results = router.generate(requests)
+    assert ahead.cache.stats.hits > 100
+    p2, p3 = _marginals(model)
+    assert _p_value(p2, [r.token_ids[1] for r in results]) > 1e-3
+    assert _p_value(p3, [r.token_ids[2] for r in results]) > 1e-3
+
+
+def draft_model_for(model):
+    from drafter_worker.checkpoint import build_draft_model
+    from drafter_worker.config import default_config
+
+    cfg = default_config("dspark", "tiny", (0,), VOCAB - 1, "markov")
+    drafter = build_draft_model(cfg, model)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.requires_grad and p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+    return drafter.eval()
