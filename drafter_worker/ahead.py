@@ -1,7 +1,7 @@
 """`RunAhead`: a `Drafter` that drafts the next block while the current one is verified.
 
 The router calls `speculate` once a block is cut to its verify length and sent; the drafter pre-drafts the
-next block for the likeliest outcomes (`Drafter.predraft`, cached in `SpeculationCache`). The next `propose`
+next block for the likeliest outcomes (`predraft.py`, cached in `SpeculationCache`). The next `propose`
 answers a request from the cache when its committed tokens show a cached outcome (a hit, `DraftBlock.ahead`)
 and drafts the others as before. In process the two run in turn (the hit rate and the acceptance of cached
 blocks are measured that way); across the tiers the drafter runs `speculate` while the verifier works.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from drafter_worker.drafter import Drafter
+from drafter_worker.predraft import predraft
 from drafter_worker.speculation import Speculation, SpeculationCache
 from services.types import DraftBlock, SamplingParams
 
@@ -52,6 +53,6 @@ class RunAhead:
             survival = block.confidences if block.confidences is not None else block.peaks
             if survival is not None:  # else nothing to estimate the outcome from
                 work[rid] = (tokens, list(block.tokens), survival, params.get(rid, SamplingParams()))
-        for rid, blocks in self.drafter.predraft(work, gamma, self.budget).items():
+        for rid, blocks in predraft(self.drafter, work, gamma, self.budget).items():
             if blocks:
                 self.cache.store(rid, Speculation(len(work[rid][0]), work[rid][1], blocks))

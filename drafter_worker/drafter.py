@@ -21,7 +21,6 @@ from drafter_worker.block_model import BlockDraftModel
 from drafter_worker.calibration import Calibration
 from drafter_worker.chain_model import ChainDraftModel
 from drafter_worker.proposer import StatelessProposer
-from drafter_worker.speculation import Outcome, likely_outcomes
 from services.sampling import logits_to_probs, truncate_to_sparse
 from services.types import DraftBlock, SamplingParams
 
@@ -74,6 +73,10 @@ class Drafter(StatelessProposer):
     def release(self, request_id: str) -> None:
         self._contexts.pop(request_id, None)
 
+    def last_out(self, request_id: str) -> torch.Tensor:
+        """Chain models: the output [d] of the request's last context row (it predicts the first draft)."""
+        return self._contexts[request_id].last_out
+
     def context_length(self, request_id: str) -> int:
         ctx = self._contexts.get(request_id)
         return 0 if ctx is None else ctx.positions
@@ -93,9 +96,10 @@ class Drafter(StatelessProposer):
         anchor_pos = torch.tensor([len(contexts[rid]) - 1 for rid in ready], device=self.device)  # [R]
         for rid in ready:
             self.fold(rid, contexts[rid])
-        kv, mask = self._padded_context(ready)
-        tokens, q, conf, peaks = self._draft_block(anchors, anchor_pos, kv, mask, sampling, gamma) if self.block \
-            else self._draft_chain(ready, anchor_pos, kv, mask, sampling, gamma)
+        kv, mask = self.padded_context(ready)
+        tokens, q, conf, peaks = self.draft_block(anchors, anchor_pos, kv, mask, sampling, gamma) if self.block \
+            else self.draft_chain(torch.stack([self.last_out(rid) for rid in ready]), anchor_pos, kv, mask,
+                                  sampling, gamma)
         for i, rid in enumerate(ready):
             q_ids, q_probs = (None, None) if q[i] is None else q[i]
             out[rid] = DraftBlock(tokens=tokens[i], q_ids=q_ids, q_probs=q_probs,
@@ -132,66 +136,9 @@ class Drafter(StatelessProposer):
                                          for (k0, v0), (k1, v1) in zip(ctx.kv, new, strict=True)]
         ctx.positions = int(positions[0, -1]) + 1
 
-    @torch.no_grad()
-    def predraft(self, sent: dict[str, tuple[list[int], list[int], list[float], SamplingParams]], gamma: int,
-                 budget: int) -> dict[str, dict[Outcome, DraftBlock]]:
-        """For each request (committed tokens, the drafts sent to verification, their survival estimates, its
-        sampling), blocks for the `budget` likeliest outcomes, each anchored at its outcome's token
-        (`speculation.py`), all in one batch. The positions verification has not yet given features for (the
-        old anchor and the accepted drafts) get stand-ins: the block's own states h_0..h_ℓ, projected to each
-        layer's context keys and values as target features are. Block models only (chain models: nothing)."""
-        rids = [rid for rid, (tokens, *_) in sent.items() if self.block and self.fold(rid, tokens)]
-        if not rids:
-            return {}
-        model, dev = self.model, self.device
-        tokens = [sent[rid][0] for rid in rids]
-        drafts = [sent[rid][1] for rid in rids]
-        width = max(len(d) for d in drafts) + 1  # slots p..p+ℓs of the longest verified block
-        kv, mask = self._padded_context(rids)  # per layer [R, Hkv, S, Dh], [R, S]
-        start = torch.tensor([len(t) - 1 for t in tokens], device=dev)  # [R] anchor positions
-        h = model.backbone(torch.tensor([t[-1] for t in tokens], device=dev), start, kv, mask, width)  # [R, W, d]
-        prev = torch.tensor([[t[-1], *d, *[0] * (width - 1 - len(d))] for t, d in zip(tokens, drafts, strict=True)],
-                            device=dev)  # [R, W] teacher-forced: anchor, then the drafts
-        logits, _ = model.teacher_forced(h, prev)  # [R, W, V] positions p+1..p+W
-        owner, outcomes = [], []
-        for r, rid in enumerate(rids):
-            _, d, survival, params = sent[rid]
-            found = likely_outcomes(d, survival, self._outcome_probs(logits[r, : len(d) + 1].float(), params), budget)
-            owner.extend([r] * len(found))
-            outcomes.extend(found)
-        if not outcomes:
-            return {}
-        rows = torch.tensor(owner, device=dev)  # [n] request of each outcome
-        rope = model.rotary().gather(start[:, None] + torch.arange(width, device=dev), h.dtype)  # [R, W, 1, Dh]
-        ext = []
-        for (k, v), layer in zip(kv, model.layers, strict=True):
-            sk, sv = layer.self_attn.keys_values(h, rope)  # [R, Hkv, W, Dh] the stand-ins
-            ext.append((torch.cat([k, sk], 2)[rows], torch.cat([v, sv], 2)[rows]))  # [n, Hkv, S+W, Dh]
-        accepted = torch.tensor([o.accepted for o in outcomes], device=dev)  # [n]
-        seen = torch.arange(width, device=dev)[None] <= accepted[:, None]  # [n, W] stand-ins ≤ ℓ
-        new, q, conf, peaks = self._draft_block(
-            torch.tensor([o.token for o in outcomes], device=dev), start[rows] + 1 + accepted, ext,
-            torch.cat([mask[rows], seen], 1), [sent[rids[r]][3] for r in owner], gamma)
-        out: dict[str, dict[Outcome, DraftBlock]] = {rid: {} for rid in rids}
-        for i, (r, o) in enumerate(zip(owner, outcomes, strict=True)):
-            out[rids[r]][o] = DraftBlock(tokens=new[i], q_ids=None if q[i] is None else q[i][0],
-                                         q_probs=None if q[i] is None else q[i][1],
-                                         confidences=None if conf is None else conf[i].tolist(),
-                                         peaks=peaks[i].tolist(), ahead=True)
-        return out
-
-    @staticmethod
-    def _outcome_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """[n, V] the distributions the outcome is guessed from: the request's own (T = 1 for greedy, whose
-        one-hot would rank nothing but the argmax)."""
-        if params.greedy:
-            return logits.softmax(-1)
-        n = logits.shape[0]
-        return logits_to_probs(logits, torch.full((n,), params.temperature), torch.full((n,), params.top_k),
-                               torch.full((n,), params.top_p))
-
-    def _padded_context(self, rids: list[str]):
-        """Per layer (k, v) [R, Hkv, S, Dh] padded to the longest context, and the mask [R, S]."""
+    def padded_context(self, rids: list[str]):
+        """Per layer (k, v) [R, Hkv, S, Dh] padded to the longest context, and the mask [R, S].
+        (Package-internal, as `draft_block` and `draft_chain`: `predraft.py` drafts with them.)"""
         lengths = [self._contexts[rid].positions for rid in rids]
         longest = max(lengths)
         mask = torch.arange(longest, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]
@@ -206,7 +153,7 @@ class Drafter(StatelessProposer):
             layers.append((torch.stack(ks), torch.stack(vs)))
         return layers, mask
 
-    def _draft_block(self, anchors, anchor_pos, kv, mask, sampling, gamma):
+    def draft_block(self, anchors, anchor_pos, kv, mask, sampling, gamma):
         model = self.model
         if all(p.greedy for p in sampling):
             tokens, peaks, z = self._greedy_block(anchors, anchor_pos, kv, mask, gamma)  # [R, γ] each
@@ -221,9 +168,9 @@ class Drafter(StatelessProposer):
             steps.append(draft)
         return self._collect(steps, conf_logits)
 
-    def _draft_chain(self, rids, anchor_pos, kv, mask, sampling, gamma):
+    def draft_chain(self, hidden, anchor_pos, kv, mask, sampling, gamma):
+        """Chain models: hidden [R, d] the output of each context's last row (it predicts x_1)."""
         model = self.model
-        hidden = torch.stack([self._contexts[rid].last_out for rid in rids])  # [R, d] predicts x_1
         prev, draft = self._sample(model.logits(hidden).float(), sampling)
         steps = [draft]
         (ctx_k, ctx_v), = kv

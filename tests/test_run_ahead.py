@@ -56,11 +56,12 @@ def _requests(temperature: float = 0.0) -> list[GenerationRequest]:
             for i, p in enumerate(random_prompts(5))]
 
 
-@pytest.mark.parametrize("method", ["dspark", "dflash"])
+@pytest.mark.parametrize("method", ["dspark", "dflash", "eagle3", "mtp"])
 def test_greedy_with_the_drafter_ahead_equals_plain(target, method):
     plain = LocalRouter(make_engine(target), policy=Policy.NONE).generate(_requests())
     ahead = RunAhead(Drafter(draft_model(target, method)), budget=48)
-    spec = LocalRouter(make_engine(target, num_slots=3, max_batch_tokens=10), ahead, Policy.FIXED, 4).generate(
+    gamma = 1 if method == "mtp" else 4
+    spec = LocalRouter(make_engine(target, num_slots=3, max_batch_tokens=10), ahead, Policy.FIXED, gamma).generate(
         _requests())
     for s, p in zip(spec, plain, strict=True):
         assert s.token_ids == p.token_ids, f"{method} ahead diverged on {s.request_id}"
