@@ -26,6 +26,11 @@ class RunAhead:
         self.drafter, self.budget = drafter, budget
         self.cache = SpeculationCache()
 
+    @property
+    def model(self):
+        """The draft model (what a drafter service reads its limits from)."""
+        return self.drafter.model
+
     def commit(self, request_id: str, feature_start: int, features: torch.Tensor | None) -> None:
         self.drafter.commit(request_id, feature_start, features)
 

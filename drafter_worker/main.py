@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from drafter_worker.ahead import RunAhead
 from drafter_worker.checkpoint import drafter_config, load_drafter
 from drafter_worker.drafter import Drafter
 from drafter_worker.server import DrafterServicer
@@ -43,7 +44,9 @@ def drafter_service(s: DrafterSettings) -> DrafterService:
             raise InvalidRequestError(f"two {method} drafters given; a replica hosts one per method")
         model, calibration = load_drafter(name, target, s.dtype, device, s.drafter_format,
                                           s.eagle_aux_layer_convention)
-        proposers[method], block_sizes[method] = Drafter(model, calibration, s.max_q, s.seed, s.compile), cfg.block_size
+        drafter = Drafter(model, calibration, s.max_q, s.seed, s.compile)
+        proposers[method] = RunAhead(drafter, s.ahead_budget) if s.ahead_budget else drafter
+        block_sizes[method] = cfg.block_size
     order = sorted(proposers, key=lambda m: m != "dspark")  # dspark first: the default method
     return DrafterService({m: proposers[m] for m in order}, block_sizes, s.batch_window_ms / 1000, lease_s=s.lease_s)
 

@@ -16,6 +16,7 @@ from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import session_stream
 from protos.status import abort_with
+from services.errors import InvalidRequestError
 from services.tracing import context_from
 
 
@@ -48,6 +49,8 @@ class DrafterServicer(rpc.DrafterServicer):
             self.streams -= 1
 
     async def _draft_one(self, msg: pb.DraftRequest) -> tuple[pb.DraftReply | None, Exception | None]:
+        if msg.ahead:
+            return None, await self._ahead(msg)
         with self.tracer.start_as_current_span("drafter.draft", context=context_from(msg.traceparent)) as span:
             try:
                 limits = self.service.limits
@@ -60,6 +63,16 @@ class DrafterServicer(rpc.DrafterServicer):
             span.set_attributes({"dspark.request_id": msg.request_id, "dspark.cycle": msg.cycle,
                                  "dspark.gamma": msg.gamma, "dspark.drafted": len(block)})
             return pb.DraftReply(request_id=msg.request_id, cycle=msg.cycle, block=codec.block_to_pb(block)), None
+
+    async def _ahead(self, msg: pb.DraftRequest) -> Exception | None:
+        """An `ahead` notice: no reply; an error only for a malformed one."""
+        try:
+            if msg.new_ids or msg.features.ByteSize():
+                raise InvalidRequestError("an ahead notice carries no new_ids or features")
+            await self.service.ahead(msg.request_id, msg.cycle, validate.gamma(msg.gamma))
+        except Exception as error:
+            return error
+        return None
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseReply:
         return pb.ReleaseReply(released=await self.service.release(request.request_id))

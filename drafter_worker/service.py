@@ -48,6 +48,7 @@ class _Session:
     cycle: int
     features: int  # positions with features: always len(tokens) − 1 between messages
     lease: Lease = field(default_factory=Lease)  # Draft streams attached; freed once none has for lease_s
+    last: tuple[DraftBlock, int] | None = None  # the block answered this cycle and its γ (to draft ahead of)
 
 
 @dataclass(slots=True)
@@ -70,6 +71,7 @@ class DrafterService(TierLoop):
         self.default_method = next(iter(proposers))
         self._sessions: dict[str, _Session] = {}
         self._queue: list[_Queued] = []
+        self._ahead: list[tuple[str, DraftBlock, int]] = []  # (request, block as sent to verification, γ)
 
     def _on_stop(self, reason: BaseException) -> None:
         for item in self._queue:
@@ -121,6 +123,22 @@ class DrafterService(TierLoop):
         self._wake.set()
         return await item.done
 
+    async def ahead(self, request_id: str, cycle: int, verify_len: int) -> None:
+        """The block answered for `cycle` was cut to `verify_len` drafts and sent: draft ahead of its outcomes
+        (proposers with a speculation cache, `drafter_worker/ahead.py`), after any draft request waiting. A stale
+        or unknown cycle, or a proposer without a cache, is ignored: drafting ahead is an optimisation."""
+        self._check_open()
+        async with self._lock:
+            session = self._sessions.get(request_id)
+            if session is None or session.cycle != cycle or session.last is None:
+                return
+            block, gamma = session.last
+            session.last = None
+            if not hasattr(self.proposers[session.method], "speculate"):
+                return
+            self._ahead.append((request_id, block.head(verify_len), gamma))
+        self._wake.set()
+
     async def release(self, request_id: str) -> bool:
         async with self._lock:
             return self._forget(request_id)
@@ -160,12 +178,16 @@ class DrafterService(TierLoop):
         for item in [q for q in self._queue if q.request_id == request_id]:
             self._queue.remove(item)
             item.done.cancel()
+        self._ahead = [job for job in self._ahead if job[0] != request_id]
         return session is not None
 
     async def _steps(self) -> None:
         async with self._lock:
             batch, self._queue = self._queue, []
-            if not batch:
+            if not batch:  # drafting ahead only while no draft request waits; not timed as a draft step
+                ahead, self._ahead = self._ahead, []
+                if ahead:
+                    await asyncio.get_running_loop().run_in_executor(self._compute, self._speculate_all, ahead)
                 return
             try:
                 blocks = await self.compute(self._propose_all, batch)
@@ -175,11 +197,30 @@ class DrafterService(TierLoop):
                         item.done.set_exception(error)
                 return
         for item in batch:
+            block = blocks.get(item.request_id, DraftBlock(tokens=[]))
+            session = self._sessions.get(item.request_id)
+            if session is not None:
+                session.last = (block, item.gamma)
             if not item.done.done():
-                item.done.set_result(blocks.get(item.request_id, DraftBlock(tokens=[])))
+                item.done.set_result(block)
+        if self._ahead:
+            self._wake.set()  # notices that came in during the step
 
     def _ready(self) -> bool:
+        if self._ahead and not self._queue:
+            return True  # drafting ahead starts at once (a draft request arriving meanwhile waits for it)
         return len({item.request_id for item in self._queue}) >= len(self._sessions)
+
+    def _speculate_all(self, jobs: list[tuple[str, DraftBlock, int]]) -> None:
+        """One `speculate` per (method, γ) group of the notices."""
+        groups: dict[tuple[str, int], dict[str, tuple[list[int], DraftBlock]]] = {}
+        for rid, block, gamma in jobs:
+            session = self._sessions.get(rid)
+            if session is not None:
+                groups.setdefault((session.method, gamma), {})[rid] = (list(session.tokens), block)
+        for (method, gamma), sent in groups.items():
+            params = {rid: self._sessions[rid].params for rid in sent}
+            self.proposers[method].speculate(sent, gamma, params)
 
     def _propose_all(self, batch: list[_Queued]) -> dict[str, DraftBlock]:
         """One batched propose per (method, γ) group of the queued requests."""
@@ -205,6 +246,9 @@ class LocalDrafter:
 
     async def draft(self, request_id, cycle, new_ids, feature_start, features, gamma, traceparent) -> DraftBlock:
         return await self.service.draft(request_id, cycle, new_ids, feature_start, features, gamma)
+
+    async def ahead(self, request_id, cycle, verify_len) -> None:
+        await self.service.ahead(request_id, cycle, verify_len)
 
     async def release(self, request_id) -> None:
         await self.service.release(request_id)

@@ -105,7 +105,8 @@ async def session_stream(request_iterator, context: grpc.aio.ServicerContext, se
             if error is not None:
                 release = False
                 await abort_with(context, error)
-            yield reply
+            if reply is not None:  # a message answered by no reply (a Draft stream's `ahead` notice)
+                yield reply
     finally:
         if attached is not None:
             service.detach(attached)

@@ -43,7 +43,7 @@ def build_router(s: RouterSettings, tracer=None, discovery: Discovery | None = N
     policy = Policy(s.policy) if s.method != "none" else Policy.NONE
     config = RouterConfig(default=Speculation(s.method, policy, s.gamma), max_gamma=s.max_gamma,
                           threshold=s.threshold, max_running=s.max_running, max_queue=s.max_queue,
-                          verifier_retry_s=s.verifier_retry_s)
+                          verifier_retry_s=s.verifier_retry_s, draft_ahead=s.draft_ahead)
     name = s.served_model_name or model_dir.name
     board = BoardView(connect_board(s.redis_url), s.board_stale_ms / 1000) if s.redis_url else None
     router = Router(pools.verifier, pools.drafter, set(s.methods), config, tokenizer, tracer, model=name,

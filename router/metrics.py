@@ -33,6 +33,12 @@ class RouterMetrics:
             ("spec_decode_num_draft_tokens", "Draft tokens sent for verification", ()),
             ("spec_decode_num_accepted_tokens", "Draft tokens accepted", ()),
             ("spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position", ("position",)))]
+        self.spec_cache_hits = counter("spec_cache_hits", "Draft requests answered from the drafter's speculation "
+                                       "cache (a block drafted ahead, during the verification before)")
+        self.spec_cache_misses = counter("spec_cache_misses", "Draft requests after an ahead notice that the "
+                                         "speculation cache could not answer (drafted afresh)")
+        self.ahead_accepted_per_pos = counter("spec_cache_accepted_tokens_per_pos", "Accepted draft tokens of "
+                                              "blocks drafted ahead, by position (0-based)", ["position"])
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.requests = counter("request_success", "Finished requests by finish reason", ["finished_reason"])
@@ -81,6 +87,13 @@ class RouterMetrics:
             accepted_tokens.labels(m).inc(accepted)
             for pos in range(accepted):
                 per_pos.labels(m, str(pos)).inc()
+
+    def ahead(self, hit: bool, accepted: int) -> None:
+        """A draft request after an ahead notice: answered from the cache (hit) or not; `accepted`: of a hit."""
+        m = self.model
+        (self.spec_cache_hits if hit else self.spec_cache_misses).labels(m).inc()
+        for pos in range(accepted if hit else 0):
+            self.ahead_accepted_per_pos.labels(m, str(pos)).inc()
 
     def totals(self) -> tuple[float, float]:
         """(cycles with drafts, accepted draft tokens) so far: τ = 1 + accepted / cycles."""

@@ -43,6 +43,9 @@ class RouterConfig:
     max_queue: int = 256  # sessions waiting for a running slot; beyond it requests get CapacityError
     reattach_every: int = 16  # most cycles between attempts to reopen a lost drafter (backoff 1, 2, 4, ...)
     verifier_retry_s: float = 30.0  # how long a session keeps re-prefilling on a lost verifier
+    # Send the drafter an ahead notice with every cut block, so that it drafts the next block for the block's
+    # likeliest outcomes while the verifier works (a replica with a speculation cache; docs/design.md §7).
+    draft_ahead: bool = False
 
 
 class Router:
@@ -176,11 +179,17 @@ class Router:
             decision = None
             if block:
                 block, decision = self._schedule(s, block, bound)
+            ahead = self._ahead_notice(s, block)
             with self.tracer.start_as_current_span("verify") as vspan:
                 sent = time.perf_counter()
                 done = await self._verify(s, block)
                 out = done.output
                 vspan.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted})
+            if ahead is not None:
+                await ahead
+            if s.ahead_sent and block is not None:  # this cycle's draft request followed an ahead notice
+                self.metrics.ahead(block.ahead, out.num_accepted)
+            s.ahead_sent = ahead is not None
             verified_at = time.perf_counter()
             self.planner.observe(CycleRecord(s.request.request_id, s.spec.policy, s.spec.method, s.params.greedy,
                                              decision, out.num_drafts, out.num_accepted, verified_at - sent,
@@ -209,6 +218,19 @@ class Router:
                           "dspark.planned_batch_tokens": d.plan.batch_tokens, "dspark.load_source": source}
             span.set_attributes(attrs)
         return block.head(d.verify_len), d
+
+    def _ahead_notice(self, s: Session, block: DraftBlock | None) -> asyncio.Task | None:
+        """Tell the drafter which cut of its block is being verified (sent beside the verify call, not before it);
+        the task, awaited after the verification, so that the next draft request follows the notice."""
+        if not self.config.draft_ahead or not block or not s.drafter_ok:
+            return None
+        return asyncio.create_task(self._send_ahead(s, len(block)))
+
+    async def _send_ahead(self, s: Session, verify_len: int) -> None:
+        try:
+            await self.drafter.ahead(s.request.request_id, s.cycle, verify_len)
+        except Exception as error:  # the next draft request finds out whether the drafter is still there
+            log.debug("ahead notice for %s not sent: %s", s.request.request_id, error)
 
     # ---- drafter ------------------------------------------------------------------------------
     async def _open_drafter(self, s: Session) -> None:
@@ -243,7 +265,7 @@ class Router:
             except Exception as error:
                 self._detach(s, error)
                 return None
-            span.set_attribute("dspark.drafted", len(block))
+            span.set_attributes({"dspark.drafted": len(block), "dspark.ahead": block.ahead})
             s.reattach_wait = 0
             return block
 

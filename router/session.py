@@ -85,6 +85,7 @@ class Session:
     drafter_ok: bool = False
     detached_at: int | None = None  # cycle at which the drafter was lost
     reattach_wait: int = 0  # cycles to wait after a loss before reopening (doubles while reopening fails)
+    ahead_sent: bool = False  # the last cycle's block went with an ahead notice to the drafter
     # Delta for the drafter since its last message: tokens and features of newly committed positions.
     new_ids: list[int] = field(default_factory=list)
     new_features: list[torch.Tensor] = field(default_factory=list)

@@ -26,6 +26,8 @@ class RouterSettings(Settings):
     policy: Literal["none", "fixed", "mtp1", "threshold", "dspark"] = Field(
         "dspark", description="verify-length policy: dspark trims each block to the verifier's load")
     gamma: int = Field(7, ge=1, le=16)
+    draft_ahead: bool = Field(False, description="send each cut block's verify length to the drafter, so that "
+                              "replicas with a speculation cache (drafter ahead_budget > 0) draft ahead")
     max_gamma: int = Field(16, ge=1, le=64, description="largest γ a request may ask for (the tiers accept "
                            "blocks of at most 64)")
     threshold: float = Field(0.3, ge=0.0, le=1.0, description="λ of the threshold policy (and of dspark until the "

@@ -201,6 +201,7 @@ DRAFT_FAULTS = [
     lambda d, m, L: m.ClearField("features"),
     lambda d, m, L: setattr(m, "feature_start", d(st.integers(0, U32).filter(lambda s: s != m.feature_start))),
     lambda d, m, L: setattr(m, "gamma", d(st.integers(MAX_GAMMA + 1, U32))),
+    lambda d, m, L: setattr(m, "ahead", True),  # an ahead notice carries no delta
     lambda d, m, L: (m.new_ids.extend([1] * (L.positions - m.feature_start + d(st.integers(0, 3)))),
                      m.features.CopyFrom(zeros(len(m.new_ids), L.width))),  # past the position table
     *FEATURE_FAULTS,

@@ -312,3 +312,35 @@ def test_a_lost_drafter_is_reattached_and_drafts_again(tokenizer):
     tokens, drafter, detached = asyncio.run(run())
     assert tokens == plain_greedy([prompt], [60])[0]
     assert detached == 1 and drafter.opens == 2 and drafter.drafts > 3  # reopened and drafting again
+
+
+def test_drafting_ahead_over_grpc_keeps_greedy_exact_and_hits(tokenizer):
+    """A drafter replica with a speculation cache, a router sending ahead notices: the same tokens as plain
+    greedy decoding, and some draft requests answered from the cache (counted by the router)."""
+    drafter_proc = start_tier("drafter", drafter_settings(ahead_budget=24))
+    verifier_proc = start_tier("verifier", verifier_settings())
+    requests = [RouterRequest(tokenizer.encode(p), SamplingParams(max_tokens=40), request_id=f"ahead-{i}",
+                              stop_token_ids=tokenizer.eos_token_ids,
+                              speculative={"method": method, "policy": "fixed", "gamma": 7})
+                for i, (p, method) in enumerate(zip(PROMPTS, ["dspark", "eagle3", "dflash", "dspark"], strict=False))]
+
+    async def run():
+        verifier, drafter = GrpcVerifier(verifier_proc.address), GrpcDrafter(drafter_proc.address)
+        router = Router(verifier, drafter, METHODS, RouterConfig(default=Speculation("dspark", Policy.FIXED, 7),
+                                                                 draft_ahead=True), tokenizer)
+        outputs = await asyncio.gather(*[_collect(router, r) for r in requests])
+        m = router.metrics
+        counts = (m.spec_cache_hits.labels("")._value.get(), m.spec_cache_misses.labels("")._value.get())
+        dload = await drafter.load()
+        await verifier.close()
+        await drafter.close()
+        return outputs, counts, dload
+
+    try:
+        outputs, (hits, misses), dload = asyncio.run(run())
+    finally:
+        drafter_proc.stop()
+        verifier_proc.stop()
+    assert outputs == plain_greedy([r.prompt_ids for r in requests], [r.params.max_tokens for r in requests])
+    assert hits > 0 and misses > 0
+    assert dload.contexts == 0

@@ -32,6 +32,18 @@ class _StreamPool:
         self.address, self.timeout_s, self._open_call = address, timeout_s, open_call
         self._streams: dict[str, grpc.aio.StreamStreamCall] = {}
 
+    async def send(self, request_id: str, message) -> None:
+        """Write a message that gets no reply (a Draft stream's ahead notice) on the request's open stream; with
+        none open, nothing (the notice only helps a stream already drafting)."""
+        call = self._streams.get(request_id)
+        if call is None:
+            return
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await call.write(message)
+        except (grpc.aio.AioRpcError, TimeoutError, grpc.aio.UsageError, ConnectionError, asyncio.InvalidStateError):
+            self.drop(request_id)  # the next exchange reopens the stream and learns whether the replica is there
+
     async def exchange(self, request_id: str, message):
         call = self._streams.get(request_id)
         if call is None:
@@ -153,6 +165,10 @@ class GrpcDrafter:
                               features=codec.tensor_to_pb(features), gamma=gamma, traceparent=traceparent)
         reply = await self._streams.exchange(request_id, msg)
         return codec.block_from_pb(reply.block)
+
+    async def ahead(self, request_id, cycle, verify_len) -> None:
+        await self._streams.send(request_id, pb.DraftRequest(request_id=request_id, cycle=cycle, gamma=verify_len,
+                                                             ahead=True))
 
     def forget(self, request_id) -> None:
         """Cancel the request's stream without waiting on this replica (it is presumed lost)."""

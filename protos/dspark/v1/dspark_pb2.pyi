@@ -101,16 +101,18 @@ class SparseQ(_message.Message):
     def __init__(self, width: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
-    __slots__ = ("tokens", "q", "confidences", "peaks")
+    __slots__ = ("tokens", "q", "confidences", "peaks", "ahead")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
     PEAKS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     q: SparseQ
     confidences: _containers.RepeatedScalarFieldContainer[float]
     peaks: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseQ, _Mapping]] = ..., confidences: _Optional[_Iterable[float]] = ..., peaks: _Optional[_Iterable[float]] = ...) -> None: ...
+    ahead: bool
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseQ, _Mapping]] = ..., confidences: _Optional[_Iterable[float]] = ..., peaks: _Optional[_Iterable[float]] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "params", "resume_ids", "feature_dtype", "traceparent", "share_prefix_of")
@@ -285,7 +287,7 @@ class OpenReply(_message.Message):
     def __init__(self, context_length: _Optional[int] = ..., method: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("request_id", "cycle", "new_ids", "feature_start", "features", "gamma", "traceparent")
+    __slots__ = ("request_id", "cycle", "new_ids", "feature_start", "features", "gamma", "traceparent", "ahead")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     NEW_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +295,7 @@ class DraftRequest(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cycle: int
     new_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -300,7 +303,8 @@ class DraftRequest(_message.Message):
     features: Tensor
     gamma: int
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., new_ids: _Optional[_Iterable[int]] = ..., feature_start: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., gamma: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    ahead: bool
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., new_ids: _Optional[_Iterable[int]] = ..., feature_start: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., gamma: _Optional[int] = ..., traceparent: _Optional[str] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class DraftReply(_message.Message):
     __slots__ = ("request_id", "cycle", "block")
