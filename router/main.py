@@ -41,9 +41,10 @@ def build_router(s: RouterSettings, tracer=None, discovery: Discovery | None = N
                   partial(GrpcDrafter, timeout_s=s.drafter_timeout_s, tls=tls) if with_drafter else None, _close,
                   down_s=s.replica_down_s)
     policy = Policy(s.policy) if s.method != "none" else Policy.NONE
-    config = RouterConfig(default=Speculation(s.method, policy, s.gamma), max_gamma=s.max_gamma,
+    default = Speculation(s.method, policy, s.gamma, ahead=s.draft_ahead and s.method != "none")
+    config = RouterConfig(default=default, max_gamma=s.max_gamma,
                           threshold=s.threshold, max_running=s.max_running, max_queue=s.max_queue,
-                          verifier_retry_s=s.verifier_retry_s, draft_ahead=s.draft_ahead)
+                          verifier_retry_s=s.verifier_retry_s)
     name = s.served_model_name or model_dir.name
     board = BoardView(connect_board(s.redis_url), s.board_stale_ms / 1000) if s.redis_url else None
     router = Router(pools.verifier, pools.drafter, set(s.methods), config, tokenizer, tracer, model=name,

@@ -43,9 +43,6 @@ class RouterConfig:
     max_queue: int = 256  # sessions waiting for a running slot; beyond it requests get CapacityError
     reattach_every: int = 16  # most cycles between attempts to reopen a lost drafter (backoff 1, 2, 4, ...)
     verifier_retry_s: float = 30.0  # how long a session keeps re-prefilling on a lost verifier
-    # Send the drafter an ahead notice with every cut block, so that it drafts the next block for the block's
-    # likeliest outcomes while the verifier works (a replica with a speculation cache; docs/design.md §7).
-    draft_ahead: bool = False
 
 
 class Router:
@@ -220,9 +217,11 @@ class Router:
         return block.head(d.verify_len), d
 
     def _ahead_notice(self, s: Session, block: DraftBlock | None) -> asyncio.Task | None:
-        """Tell the drafter which cut of its block is being verified (sent beside the verify call, not before it);
-        the task, awaited after the verification, so that the next draft request follows the notice."""
-        if not self.config.draft_ahead or not block or not s.drafter_ok:
+        """Requests with `ahead`: tell the drafter which cut of its block is being verified, beside the verify
+        call, so that it drafts the next block for the block's likeliest outcomes meanwhile (a replica with a
+        speculation cache, docs/design.md §7). The task is awaited after the verification, so the next draft
+        request follows the notice on the stream."""
+        if not s.spec.ahead or not block or not s.drafter_ok:
             return None
         return asyncio.create_task(self._send_ahead(s, len(block)))
 

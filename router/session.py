@@ -24,6 +24,7 @@ class Speculation:
     policy: Policy = Policy.NONE
     gamma: int = 0
     min_tokens_per_s: float = 0.0  # SLA of policy dspark: 0 = none
+    ahead: bool = False  # send ahead notices: the drafter drafts the next block while this one is verified
 
 
 @dataclass(slots=True)
@@ -162,7 +163,7 @@ def resolve(options: dict | None, default: Speculation, methods: set[str], max_g
     """A request's speculative options within what the deployment allows (InvalidRequestError otherwise)."""
     if not options:
         return default
-    unknown = set(options) - {"method", "policy", "gamma", "min_tokens_per_s"}
+    unknown = set(options) - {"method", "policy", "gamma", "min_tokens_per_s", "ahead"}
     if unknown:
         raise InvalidRequestError(f"unknown speculative option(s): {', '.join(sorted(unknown))}")
     method = options.get("method") or default.method
@@ -181,4 +182,9 @@ def resolve(options: dict | None, default: Speculation, methods: set[str], max_g
     sla = options.get("min_tokens_per_s") or 0.0
     if not isinstance(sla, int | float) or not 0 <= sla <= 1e6 or sla != sla:
         raise InvalidRequestError(f"min_tokens_per_s must be a number in [0, 1e6], got {sla!r}")
-    return Speculation(method, policy, 1 if policy is Policy.MTP1 else gamma, float(sla))
+    ahead = options.get("ahead")
+    if ahead is None:
+        ahead = default.ahead and method != "none"
+    elif not isinstance(ahead, bool) or (ahead and method == "none"):
+        raise InvalidRequestError(f"ahead must be true or false, and true only with a drafter, got {ahead!r}")
+    return Speculation(method, policy, 1 if policy is Policy.MTP1 else gamma, float(sla), ahead)

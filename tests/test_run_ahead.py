@@ -98,3 +98,16 @@ def draft_model_for(model):
             if p.requires_grad and p.dim() >= 2:
                 p.normal_(0.0, 0.2)
     return drafter.eval()
+
+
+def test_the_ahead_option_is_resolved_per_request():
+    from router.session import Speculation, resolve
+    from services.errors import InvalidRequestError
+
+    default = Speculation("dspark", Policy.FIXED, 7, ahead=True)
+    assert resolve({"method": "eagle3"}, default, {"dspark", "eagle3"}, 16).ahead  # the deployment's default
+    assert not resolve({"ahead": False}, default, {"dspark"}, 16).ahead
+    assert not resolve({"method": "none"}, default, {"dspark"}, 16).ahead  # nothing to draft ahead
+    for bad in ({"ahead": "yes"}, {"ahead": 1}, {"method": "none", "ahead": True}):
+        with pytest.raises(InvalidRequestError, match="ahead"):
+            resolve(bad, default, {"dspark"}, 16)

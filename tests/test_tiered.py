@@ -321,13 +321,12 @@ def test_drafting_ahead_over_grpc_keeps_greedy_exact_and_hits(tokenizer):
     verifier_proc = start_tier("verifier", verifier_settings())
     requests = [RouterRequest(tokenizer.encode(p), SamplingParams(max_tokens=40), request_id=f"ahead-{i}",
                               stop_token_ids=tokenizer.eos_token_ids,
-                              speculative={"method": method, "policy": "fixed", "gamma": 7})
+                              speculative={"method": method, "policy": "fixed", "gamma": 7, "ahead": True})
                 for i, (p, method) in enumerate(zip(PROMPTS, ["dspark", "eagle3", "dflash", "dspark"], strict=False))]
 
     async def run():
         verifier, drafter = GrpcVerifier(verifier_proc.address), GrpcDrafter(drafter_proc.address)
-        router = Router(verifier, drafter, METHODS, RouterConfig(default=Speculation("dspark", Policy.FIXED, 7),
-                                                                 draft_ahead=True), tokenizer)
+        router = _router(verifier, drafter, tokenizer)
         outputs = await asyncio.gather(*[_collect(router, r) for r in requests])
         m = router.metrics
         counts = (m.spec_cache_hits.labels("")._value.get(), m.spec_cache_misses.labels("")._value.get())

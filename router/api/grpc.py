@@ -46,7 +46,10 @@ class RouterServicer(rpc.RouterServicer):
         self.admit.max_tokens(params.max_tokens, len(ids), "prompt")
         s = msg.speculative
         spec = {k: v for k, v in (("method", s.method), ("policy", s.policy), ("gamma", s.gamma),
-                                  ("min_tokens_per_s", s.min_tokens_per_s)) if v} or None
+                                  ("min_tokens_per_s", s.min_tokens_per_s)) if v}
+        if s.HasField("ahead"):
+            spec["ahead"] = s.ahead
+        spec = spec or None
         if len(msg.stop) > MAX_STOP_STRINGS or not all(msg.stop):
             raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} non-empty stop strings")
         if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:

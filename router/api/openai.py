@@ -55,6 +55,8 @@ class SpeculativeOptions(_Body):
     gamma: int | None = Field(None, ge=1)
     min_tokens_per_s: float | None = Field(None, ge=0.0, le=1e6, description="SLA: raise this request's verify "
                                            "length until its expected speed reaches this (policy dspark)")
+    ahead: bool | None = Field(None, description="the drafter drafts the next block while this one is verified "
+                               "(null: the deployment's default)")
 
 
 # Sampling fields of OpenAI / vLLM not served yet, with the value that asks for nothing (accepted as such).

@@ -331,16 +331,18 @@ class DrafterLoadReply(_message.Message):
     def __init__(self, contexts: _Optional[int] = ..., streams: _Optional[int] = ..., queued: _Optional[int] = ..., step_ms_ema: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class Speculative(_message.Message):
-    __slots__ = ("method", "policy", "gamma", "min_tokens_per_s")
+    __slots__ = ("method", "policy", "gamma", "min_tokens_per_s", "ahead")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     method: str
     policy: str
     gamma: int
     min_tokens_per_s: float
-    def __init__(self, method: _Optional[str] = ..., policy: _Optional[str] = ..., gamma: _Optional[int] = ..., min_tokens_per_s: _Optional[float] = ...) -> None: ...
+    ahead: bool
+    def __init__(self, method: _Optional[str] = ..., policy: _Optional[str] = ..., gamma: _Optional[int] = ..., min_tokens_per_s: _Optional[float] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "prompt", "params", "stop", "stop_token_ids", "speculative", "ignore_eos")
