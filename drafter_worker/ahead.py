@@ -9,6 +9,8 @@ blocks are measured that way); across the tiers the drafter runs `speculate` whi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from drafter_worker.drafter import Drafter
@@ -52,12 +54,22 @@ class RunAhead:
     def speculate(self, sent: dict[str, tuple[list[int], DraftBlock]], gamma: int,
                   params: dict[str, SamplingParams] | None = None) -> None:
         """`sent`: per request its committed tokens and the block sent to verification (cut to ℓ_s)."""
+        for _ in self.speculation(sent, gamma, params, chunk=None):
+            pass
+
+    def speculation(self, sent: dict[str, tuple[list[int], DraftBlock]], gamma: int,
+                    params: dict[str, SamplingParams] | None = None, chunk: int | None = 2) -> Iterator[None]:
+        """`speculate` in pieces of `chunk` pre-drafted blocks, each request's likeliest outcomes first; every
+        piece is cached as it is done, so a caller that stops iterating (real drafting work came in) keeps what
+        was drafted so far."""
         params = params or {}
         work = {}
         for rid, (tokens, block) in sent.items():
             survival = block.confidences if block.confidences is not None else block.peaks
             if survival is not None:  # else nothing to estimate the outcome from
                 work[rid] = (tokens, list(block.tokens), survival, params.get(rid, SamplingParams()))
-        for rid, blocks in predraft(self.drafter, work, gamma, self.budget).items():
-            if blocks:
-                self.cache.store(rid, Speculation(len(work[rid][0]), work[rid][1], blocks))
+                self.cache.store(rid, Speculation(len(tokens), list(block.tokens), {}))
+        for piece in predraft(self.drafter, work, gamma, self.budget, chunk):
+            for rid, blocks in piece.items():
+                self.cache.add(rid, blocks)
+            yield

@@ -15,6 +15,8 @@ its tokens were drawn from, so verification stays exact.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from drafter_worker.drafter import Drafter
@@ -26,14 +28,26 @@ from services.types import DraftBlock, SamplingParams
 Sent = dict[str, tuple[list[int], list[int], list[float], SamplingParams]]
 
 
-@torch.no_grad()
-def predraft(drafter: Drafter, sent: Sent, gamma: int, budget: int) -> dict[str, dict[Outcome, DraftBlock]]:
-    """Per request, a pre-drafted block for each of its `budget` likeliest outcomes."""
-    rids = [rid for rid, (tokens, *_) in sent.items() if drafter.fold(rid, tokens)]
-    if not rids:
-        return {}
-    run = _block if drafter.block else _chain
-    return run(drafter, rids, sent, gamma, budget)
+def predraft(drafter: Drafter, sent: Sent, gamma: int, budget: int, chunk: int | None = 8
+             ) -> Iterator[dict[str, dict[Outcome, DraftBlock]]]:
+    """Per request, a pre-drafted block for each of its `budget` likeliest outcomes, in pieces of `chunk`
+    outcomes, each request's likeliest first (a generator: each step is one piece of compute, so a caller can
+    stop when real drafting work arrives). None: one piece."""
+    with torch.no_grad():
+        rids = [rid for rid, (tokens, *_) in sent.items() if drafter.fold(rid, tokens)]
+        if not rids:
+            return
+        owner, outcomes, draft = (_block if drafter.block else _chain)(drafter, rids, sent, gamma, budget)
+    rank = [0] * len(owner)
+    for i in range(1, len(owner)):
+        rank[i] = rank[i - 1] + 1 if owner[i] == owner[i - 1] else 0
+    order = sorted(range(len(owner)), key=lambda i: (rank[i], owner[i]))  # every request's best ones first
+    size = chunk or max(1, len(order))
+    for first in range(0, len(order), size):
+        picked = order[first : first + size]
+        with torch.no_grad():  # not around the yield: grad mode is per thread, the caller's while suspended
+            blocks = _blocks(rids, [owner[i] for i in picked], [outcomes[i] for i in picked], draft(picked))
+        yield blocks
 
 
 def _block(drafter: Drafter, rids: list[str], sent: Sent, gamma: int, budget: int):
@@ -45,19 +59,22 @@ def _block(drafter: Drafter, rids: list[str], sent: Sent, gamma: int, budget: in
     h = model.backbone(torch.tensor([t[-1] for t in tokens], device=dev), start, kv, mask, width)  # [R, W, d]
     logits, _ = model.teacher_forced(h, _teacher(rids, sent, width, dev))  # [R, W, V] positions p+1..p+W
     owner, outcomes = _choose(rids, sent, logits, budget)
-    if not outcomes:
-        return {}
-    rows = torch.tensor(owner, device=dev)  # [n] request of each outcome
     rope = model.rotary().gather(start[:, None] + torch.arange(width, device=dev), h.dtype)  # [R, W, 1, Dh]
-    ext = []
+    ext = []  # per layer the context with the stand-ins of p..p+ℓs, [R, Hkv, S+W, Dh]
     for (k, v), layer in zip(kv, model.layers, strict=True):
-        sk, sv = layer.self_attn.keys_values(h, rope)  # [R, Hkv, W, Dh] the stand-ins
-        ext.append((torch.cat([k, sk], 2)[rows], torch.cat([v, sv], 2)[rows]))  # [n, Hkv, S+W, Dh]
-    accepted = torch.tensor([o.accepted for o in outcomes], device=dev)  # [n]
-    seen = torch.arange(width, device=dev)[None] <= accepted[:, None]  # [n, W] stand-ins of p..p+ℓ
-    drafted = drafter.draft_block(torch.tensor([o.token for o in outcomes], device=dev), start[rows] + 1 + accepted,
-                                  ext, torch.cat([mask[rows], seen], 1), [sent[rids[r]][3] for r in owner], gamma)
-    return _blocks(rids, owner, outcomes, drafted)
+        sk, sv = layer.self_attn.keys_values(h, rope)  # [R, Hkv, W, Dh]
+        ext.append((torch.cat([k, sk], 2), torch.cat([v, sv], 2)))
+    ext_mask = torch.cat([mask, torch.ones(len(rids), width, dtype=torch.bool, device=dev)], 1)  # [R, S+W]
+
+    def draft(picked: list[int]):
+        rows = torch.tensor([owner[i] for i in picked], device=dev)  # [n] request of each outcome
+        accepted = torch.tensor([outcomes[i].accepted for i in picked], device=dev)  # [n]
+        seen = torch.arange(ext_mask.shape[1], device=dev)[None] < ext_mask.shape[1] - width + accepted[:, None] + 1
+        return drafter.draft_block(torch.tensor([outcomes[i].token for i in picked], device=dev),
+                                   start[rows] + 1 + accepted, [(k[rows], v[rows]) for k, v in ext],
+                                   ext_mask[rows] & seen, [sent[rids[owner[i]]][3] for i in picked], gamma)
+
+    return owner, outcomes, draft
 
 
 def _chain(drafter: Drafter, rids: list[str], sent: Sent, gamma: int, budget: int):
@@ -77,22 +94,23 @@ def _chain(drafter: Drafter, rids: list[str], sent: Sent, gamma: int, budget: in
         hidden.append(model.finish(residual, q, keys, values, seen[:, None, None])[:, 0])  # h_k predicts x_{k+1}
     outs = torch.stack(hidden, 1)  # [R, W, d]
     owner, outcomes = _choose(rids, sent, model.logits(outs).float(), budget)
-    if not outcomes:
-        return {}
-    rows = torch.tensor(owner, device=dev)
-    accepted = torch.tensor([o.accepted for o in outcomes], device=dev)  # [n]
-    draft_rows = torch.arange(1, width, device=dev)[None] <= accepted[:, None]  # [n, W−1] rows of x_1..x_ℓ
-    base_mask = torch.cat([mask[rows], draft_rows], 1)  # [n, S + W − 1]
-    # The outcome's own row pairs h_ℓ with v at p + ℓ: the last context row of the block anchored at v.
-    h_ell = outs[rows, accepted]  # [n, d]
-    anchors = torch.tensor([o.token for o in outcomes], device=dev)
-    residual, q, kk, vv = model.project(h_ell[:, None], anchors[:, None], (start[rows] + accepted)[:, None])
-    keys, values = torch.cat([keys[rows], kk], 2), torch.cat([values[rows], vv], 2)  # [n, Hkv, S + W, Dh]
-    full_mask = torch.cat([base_mask, torch.ones_like(base_mask[:, :1])], 1)  # [n, S + W]
-    last = model.finish(residual, q, keys, values, full_mask[:, None, None])[:, 0]  # [n, d] predicts the next x_1
-    drafted = drafter.draft_chain(last, start[rows] + 1 + accepted, [(keys, values)], full_mask,
-                                  [sent[rids[r]][3] for r in owner], gamma)
-    return _blocks(rids, owner, outcomes, drafted)
+
+    def draft(picked: list[int]):
+        rows = torch.tensor([owner[i] for i in picked], device=dev)
+        accepted = torch.tensor([outcomes[i].accepted for i in picked], device=dev)  # [n]
+        draft_rows = torch.arange(1, width, device=dev)[None] <= accepted[:, None]  # [n, W−1] rows of x_1..x_ℓ
+        base_mask = torch.cat([mask[rows], draft_rows], 1)  # [n, S + W − 1]
+        # The outcome's own row pairs h_ℓ with v at p + ℓ: the last context row of the block anchored at v.
+        anchors = torch.tensor([outcomes[i].token for i in picked], device=dev)
+        residual, q, kk, vv = model.project(outs[rows, accepted][:, None], anchors[:, None],
+                                            (start[rows] + accepted)[:, None])
+        k_n, v_n = torch.cat([keys[rows], kk], 2), torch.cat([values[rows], vv], 2)  # [n, Hkv, S + W, Dh]
+        full_mask = torch.cat([base_mask, torch.ones_like(base_mask[:, :1])], 1)  # [n, S + W]
+        last = model.finish(residual, q, k_n, v_n, full_mask[:, None, None])[:, 0]  # [n, d] predicts the next x_1
+        return drafter.draft_chain(last, start[rows] + 1 + accepted, [(k_n, v_n)], full_mask,
+                                   [sent[rids[owner[i]]][3] for i in picked], gamma)
+
+    return owner, outcomes, draft
 
 
 def _teacher(rids: list[str], sent: Sent, width: int, dev: torch.device) -> torch.Tensor:
@@ -123,6 +141,8 @@ def _outcome_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 def _blocks(rids, owner, outcomes, drafted) -> dict[str, dict[Outcome, DraftBlock]]:
+    if not outcomes:
+        return {}
     new, q, conf, peaks = drafted
     out: dict[str, dict[Outcome, DraftBlock]] = {rid: {} for rid in rids}
     for i, (r, o) in enumerate(zip(owner, outcomes, strict=True)):

@@ -134,7 +134,7 @@ class DrafterService(TierLoop):
                 return
             block, gamma = session.last
             session.last = None
-            if not hasattr(self.proposers[session.method], "speculate"):
+            if not hasattr(self.proposers[session.method], "speculation"):
                 return
             self._ahead.append((request_id, block.head(verify_len), gamma))
         self._wake.set()
@@ -184,18 +184,22 @@ class DrafterService(TierLoop):
     async def _steps(self) -> None:
         async with self._lock:
             batch, self._queue = self._queue, []
-            if not batch:  # drafting ahead only while no draft request waits; not timed as a draft step
+            if not batch:
                 ahead, self._ahead = self._ahead, []
-                if ahead:
-                    await asyncio.get_running_loop().run_in_executor(self._compute, self._speculate_all, ahead)
-                return
-            try:
-                blocks = await self.compute(self._propose_all, batch)
-            except Exception as error:
-                for item in batch:
-                    if not item.done.done():
-                        item.done.set_exception(error)
-                return
+            else:
+                await self._draft_batch(batch)
+                ahead = []
+        if ahead:
+            await self._run_ahead(ahead)
+
+    async def _draft_batch(self, batch: list[_Queued]) -> None:
+        try:
+            blocks = await self.compute(self._propose_all, batch)
+        except Exception as error:
+            for item in batch:
+                if not item.done.done():
+                    item.done.set_exception(error)
+            return
         for item in batch:
             block = blocks.get(item.request_id, DraftBlock(tokens=[]))
             session = self._sessions.get(item.request_id)
@@ -206,13 +210,20 @@ class DrafterService(TierLoop):
         if self._ahead:
             self._wake.set()  # notices that came in during the step
 
-    def _ready(self) -> bool:
-        if self._ahead and not self._queue:
-            return True  # drafting ahead starts at once (a draft request arriving meanwhile waits for it)
-        return len({item.request_id for item in self._queue}) >= len(self._sessions)
+    async def _run_ahead(self, jobs: list[tuple[str, DraftBlock, int]]) -> None:
+        """Draft ahead piece by piece (not timed as draft steps), the lock taken per piece, and stop as soon as a
+        draft request waits: drafting ahead must never delay drafting."""
+        loop = asyncio.get_running_loop()
+        for pieces in self._speculations(jobs):
+            while not self._queue:
+                async with self._lock:
+                    if await loop.run_in_executor(self._compute, next, pieces, StopIteration) is StopIteration:
+                        break
+            if self._queue:
+                return
 
-    def _speculate_all(self, jobs: list[tuple[str, DraftBlock, int]]) -> None:
-        """One `speculate` per (method, γ) group of the notices."""
+    def _speculations(self, jobs: list[tuple[str, DraftBlock, int]]):
+        """One piecewise speculation per (method, γ) group of the notices."""
         groups: dict[tuple[str, int], dict[str, tuple[list[int], DraftBlock]]] = {}
         for rid, block, gamma in jobs:
             session = self._sessions.get(rid)
@@ -220,7 +231,12 @@ class DrafterService(TierLoop):
                 groups.setdefault((session.method, gamma), {})[rid] = (list(session.tokens), block)
         for (method, gamma), sent in groups.items():
             params = {rid: self._sessions[rid].params for rid in sent}
-            self.proposers[method].speculate(sent, gamma, params)
+            yield self.proposers[method].speculation(sent, gamma, params)
+
+    def _ready(self) -> bool:
+        if self._ahead and not self._queue:
+            return True  # drafting ahead starts at once (a draft request arriving meanwhile waits for it)
+        return len({item.request_id for item in self._queue}) >= len(self._sessions)
 
     def _propose_all(self, batch: list[_Queued]) -> dict[str, DraftBlock]:
         """One batched propose per (method, γ) group of the queued requests."""

@@ -97,11 +97,20 @@ class SpeculationCache:
         self._specs[request_id] = spec
         self.stats.fanout += len(spec.blocks)
 
+    def add(self, request_id: str, blocks: dict[Outcome, DraftBlock]) -> None:
+        """More pre-drafted blocks for the request's stored speculation (none stored: nothing)."""
+        spec = self._specs.get(request_id)
+        if spec is not None:
+            spec.blocks.update(blocks)
+            self.stats.fanout += len(blocks)
+
     def take(self, request_id: str, tokens: list[int]) -> DraftBlock | None:
         """The cached block for the outcome `tokens` show (a hit), else None (a miss); the entry is gone."""
         spec = self._specs.pop(request_id, None)
         if spec is None:
             return None
+        if not spec.blocks:
+            return None  # nothing was drafted ahead in time: not counted
         outcome = outcome_of(spec, tokens)
         block = None if outcome is None else spec.blocks.get(outcome)
         if block is None:
