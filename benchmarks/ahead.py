@@ -8,6 +8,10 @@ the drafts accepted per cycle of cached blocks against all cycles (from the rout
 
     python benchmarks/ahead.py [--methods dspark,dflash,eagle3] [--concurrency 1,2,4] [--temperature 0]
                                [--max-tokens 64] [--rounds 3] [--budget 24] [--json PATH]
+
+`--in-process`: the cache's quality alone, without timing: 12 eval prompts (4 per domain), the in-process
+router drafting and drafting ahead in turn, against the same drafter without the cache (τ, hit rate, drafts
+accepted per cycle of cached blocks and of the freshly drafted ones).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import asyncio
 import json
 import statistics
 import time
+from pathlib import Path
 
 from benchmarks.engine_speed import cpu_model
 from benchmarks.tier_overhead import PROMPTS
@@ -59,6 +64,44 @@ async def one_round(addresses, tok, method: str, c: int, ahead: bool, args, tag:
             "accepted": accepted, "ahead_accepted": ahead_accepted}
 
 
+def in_process(method: str, temperature: float, budget: int, gamma: int, max_tokens: int) -> dict:
+    import torch
+
+    from drafter_worker.ahead import RunAhead
+    from drafter_worker.checkpoint import drafter_config, load_drafter
+    from drafter_worker.drafter import Drafter
+    from router.offline import GenerationRequest, LocalRouter
+    from services.loader import load_model
+    from verifier_worker.engine import Engine, EngineConfig
+
+    torch.set_num_threads(1)
+    tdir, ddir = resolve_model(TARGET), resolve_model(f"{TARGET}-{method}")
+    tok = TextTokenizer.from_dir(tdir)
+    target = load_model(tdir, "float32", "cpu", tap_layers=drafter_config(ddir).tap_layers)
+    model, calibration = load_drafter(ddir, target, "float32")
+    datasets = Path(__file__).parent / "datasets"
+    prompts = [tok.encode(json.loads(line)["prompt"])[-200:] for d in ("code", "chat", "math")
+               for line in (datasets / f"{d}.jsonl").read_text().splitlines()[:4]]
+    requests = [GenerationRequest(f"r{i}", ids, SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i))
+                for i, ids in enumerate(prompts)]
+    row = {"method": method, "temperature": temperature, "budget": budget}
+    for name, proposer in (("fresh", Drafter(model, calibration)), ("ahead", RunAhead(Drafter(model, calibration),
+                                                                                      budget))):
+        engine = Engine(target, EngineConfig(num_slots=4, max_len=400))
+        results = LocalRouter(engine, proposer, Policy.FIXED, 1 if method == "mtp" else gamma).generate(requests)
+        cycles, accepted = sum(r.cycles for r in results), sum(r.accepted_tokens for r in results)
+        row[f"tau_{name}"] = round(sum(r.cycle_tokens for r in results) / cycles, 3)
+        if name == "ahead":
+            stats, hit_cycles = proposer.cache.stats, sum(r.ahead_cycles for r in results)
+            hit_accepted = sum(r.ahead_accepted for r in results)
+            row |= {"hit_rate": round(stats.hits / max(1, stats.hits + stats.misses), 3),
+                    "accepted_per_cached_cycle": round(hit_accepted / max(1, hit_cycles), 3),
+                    "accepted_per_missed_cycle": round((accepted - hit_accepted) / max(1, cycles - hit_cycles), 3)}
+        else:
+            row["accepted_per_cycle_fresh"] = round(accepted / cycles, 3)
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--methods", default="dspark,dflash,eagle3")
@@ -69,8 +112,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--budget", type=int, default=24)
     p.add_argument("--json")
+    p.add_argument("--in-process", action="store_true", help="hit rate and acceptance only (no tiers, no timing)")
     args = p.parse_args()
     methods = args.methods.split(",")
+    if args.in_process:
+        rows = [in_process(m, args.temperature, args.budget, args.gamma, args.max_tokens) for m in methods]
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "rows": rows}, indent=1))
+        return
     drafters = [f"{TARGET}-{m}" for m in methods]
     verifier = start_tier("verifier", VerifierSettings(dtype="float32", port=0, threads=1, num_slots=8, max_len=512))
     drafter = start_tier("drafter", DrafterSettings(dtype="float32", port=0, threads=1, drafters=drafters,

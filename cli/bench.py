@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-ARM_NAMES = "none,mtp1,eagle3,dflash,dspark-fixed,dspark"
+ARM_NAMES = "none,mtp1,eagle3,dflash,dspark-fixed,dspark,dspark-ahead"
 
 
 def add_parser(sub) -> None:

@@ -3,7 +3,7 @@
 Input is the run's results dict (what the runner saves as JSON):
 
     {"metadata": {"date", "machine", "model", "dataset", "max_tokens", "temperature", "git", ...; optional "gpus"},
-     "cells": [{"arm": "none" | "mtp1" | "eagle3" | "dflash" | "dspark-fixed" | "dspark",
+     "cells": [{"arm": "none" | "mtp1" | "eagle3" | "dflash" | "dspark-fixed" | "dspark" | "dspark-ahead",
                 "load": {"mode": "closed", "concurrency": int} | {"mode": "open", "rate": float},
                 "summary": metrics.summarize(...), "server": server_metrics.spec_decode(...); optional "gpus"}],
      "gates": {"greedy_identical": {arm: bool}, "distribution": {arm: {"p_value": float, "passed": bool}}, ...}}
@@ -20,7 +20,7 @@ import math
 from collections.abc import Iterable
 from itertools import pairwise
 
-ARM_ORDER = ("none", "mtp1", "eagle3", "dflash", "dspark-fixed", "dspark")
+ARM_ORDER = ("none", "mtp1", "eagle3", "dflash", "dspark-fixed", "dspark", "dspark-ahead")
 HEADLINE_ARM = "dspark"
 COMPARED_ARMS = ("none", "mtp1")
 

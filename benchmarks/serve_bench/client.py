@@ -22,6 +22,7 @@ ARMS: dict[str, dict] = {
     "dflash": {"method": "dflash", "policy": "fixed"},
     "dspark-fixed": {"method": "dspark", "policy": "fixed"},
     "dspark": {"method": "dspark", "policy": "dspark"},
+    "dspark-ahead": {"method": "dspark", "policy": "dspark", "ahead": True},  # the drafter drafts ahead (SSD)
 }
 
 
