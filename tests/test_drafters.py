@@ -194,13 +194,8 @@ def test_compiled_greedy_blocks_draft_what_eager_drafts(target, plain):
     assert [(r.cycles, r.accepted_tokens) for r in compiled] == [(r.cycles, r.accepted_tokens) for r in eager]
 
 
-@pytest.mark.parametrize("layout", ["anchor", "fill_in"])
-@torch.no_grad()
-def test_packed_training_backbone_equals_the_per_block_one(target, layout):
-    """Training runs a sequence's blocks as one attention problem over its context; each block's states are
-    those of the per-anchor backbone drafting uses (sequences with different anchor counts, one with none)."""
-    model = draft_model(target, "dspark")
-    model.dconfig = dataclasses.replace(model.dconfig, layout=layout)
+def _training_batch(target) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three right-padded sequences as a training batch holds them: taps [3, S, T*d], ids [3, S]."""
     seqs = [random_prompts(4)[3], random_prompts(3)[1], random_prompts(4)[0]]
     width = max(len(t) for t in seqs)
     taps = torch.zeros(len(seqs), width, target.config.hidden_size * len(TAPS))
@@ -208,8 +203,20 @@ def test_packed_training_backbone_equals_the_per_block_one(target, layout):
     for b, t in enumerate(seqs):
         taps[b, : len(t)] = _context_taps(target, t)
         ids[b, : len(t)] = torch.tensor(t)
+    return taps, ids
+
+
+@pytest.mark.parametrize("layout", ["anchor", "fill_in"])
+@torch.no_grad()
+def test_packed_training_backbone_equals_the_per_block_one(target, layout):
+    """Training runs a sequence's blocks as one attention problem over its context; each block's states are
+    those of the per-anchor backbone drafting uses (sequences with different anchor counts, one with none)."""
+    model = draft_model(target, "dspark")
+    model.dconfig = dataclasses.replace(model.dconfig, layout=layout)
+    taps, ids = _training_batch(target)
+    width = ids.shape[1]
     seq, anchors = torch.tensor([0, 0, 0, 2, 2]), torch.tensor([3, 9, 17, 1, 11])  # sequence 1: no block
-    kv = model.context_kv(taps, torch.arange(width).expand(len(seqs), width))
+    kv = model.context_kv(taps, torch.arange(width).expand(len(ids), width))
     packed = model.backbone_packed(ids[seq, anchors], anchors, seq, kv, 4)
     mask = torch.arange(width)[None] < anchors[:, None]
     per_block = model.backbone(ids[seq, anchors], anchors, [(k[seq], v[seq]) for k, v in kv], mask, 4)
@@ -222,13 +229,7 @@ def test_anchored_training_time_test_equals_the_whole_unroll(target, method):
     """Training unrolls only the anchors' chains past step 0; each chain's rows are those of the whole-sequence
     training-time test at the same (anchor, step)."""
     model = draft_model(target, method)
-    seqs = [random_prompts(4)[3], random_prompts(3)[1], random_prompts(4)[0]]
-    width = max(len(t) for t in seqs)
-    taps = torch.zeros(len(seqs), width, target.config.hidden_size * len(TAPS))
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    for b, t in enumerate(seqs):
-        taps[b, : len(t)] = _context_taps(target, t)
-        ids[b, : len(t)] = torch.tensor(t)
+    taps, ids = _training_batch(target)
     seq, anchors = torch.tensor([0, 0, 0, 2, 2]), torch.tensor([3, 9, 17, 1, 11])  # sequence 1: no chain
     steps = model.dconfig.block_size
     outs = model.unrolled(taps, ids, steps)
