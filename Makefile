@@ -93,12 +93,13 @@ target-v2: data-deps $(BIN)/dspark
 		--out models/dspark-target-v2 $$(test -d runs/target-v2/export && echo --resume-from runs/target-v2/export)
 
 # Drafters v2 ([3/6]): rollouts of target v2 at the serving temperatures (0 and 1, mixed per prompt), up to 256
-# new tokens, 4,500 prompts per domain (~3.1M response tokens), in bf16 where native, then the feature cache.
+# new tokens, 7,000 prompts per domain (~3.1M response tokens: about 240 per code response, 175 per chat one, 36
+# per math one), in bf16 where native, then the feature cache.
 # Resumable: build/drafters/dspark-target-v2 on a kept machine, the gzip copies in runs/drafters-v2 on a fresh one.
 drafters-v2-cache: data-deps $(BIN)/dspark
 	@test -f build/data-v2/manifest.json || $(BIN)/dspark data build --out build/data-v2 --eval-dir build/data-v2/eval
 	$(BIN)/dspark data target-cache --target dspark-target-v2 --data-dir build/data-v2 \
-		--prompts-per-domain 4500 --max-new-tokens 256 --temperatures 0 1 --code-prompts-per-file 12 \
+		--prompts-per-domain 7000 --max-new-tokens 256 --temperatures 0 1 --code-prompts-per-file 12 \
 		--batch 64 --rollout-dtype auto --mirror-dir runs/drafters-v2
 
 # Drafters v2 ([3/6]) on that cache, to convergence: up to 4 epochs, early stopping after 4 evaluations without
