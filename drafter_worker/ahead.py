@@ -18,11 +18,10 @@ from drafter_worker.predraft import predraft
 from drafter_worker.speculation import Speculation, SpeculationCache
 from services.types import DraftBlock, SamplingParams
 
-DEFAULT_BUDGET = 24  # pre-drafted blocks per request and cycle (the SSD paper's runs: 20–30)
-
 
 class RunAhead:
-    def __init__(self, drafter: Drafter, budget: int = DEFAULT_BUDGET):
+    def __init__(self, drafter: Drafter, budget: int):
+        """`budget`: blocks pre-drafted per request and cycle (served: `DrafterSettings.ahead_budget`)."""
         if budget < 1:
             raise ValueError(f"the speculation budget must be at least 1, got {budget}")
         self.drafter, self.budget = drafter, budget
