@@ -190,7 +190,7 @@ class Router:
             verified_at = time.perf_counter()
             self.planner.observe(CycleRecord(s.request.request_id, s.spec.policy, s.spec.method, s.params.greedy,
                                              decision, out.num_drafts, out.num_accepted, verified_at - sent,
-                                             verified_at - started))
+                                             verified_at - started, bool(block and block.ahead)))
             self.metrics.cycle(out.num_drafts, out.num_accepted)
             s.observe_cycle(verified_at - started)
             s.add_features(out.feature_start, out.features)

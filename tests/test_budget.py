@@ -105,6 +105,25 @@ def test_drafting_cost_can_make_plain_decoding_the_plan_and_probes_keep_it_curre
     assert budget.wants_draft(VerifierView(), now=106.0) and budget._probe_every == 1.0
 
 
+def test_cache_hits_take_drafting_off_the_critical_path_and_the_plan_drafts_again():
+    row = survival([0.6, 0.5, 0.4])
+    budget = VerifyBudget(MEASURED)
+    budget.trim("a", row, VerifierView())
+    step = 1 / MEASURED(budget.plan.batch_tokens)
+    for _ in range(20):  # drafted on the critical path: 30 ms a cycle, more than τ ≈ 1.8 pays for
+        budget.observe_cycle(step + 0.030, drafted=True)
+    budget.step_s, budget.plan = 0.0, None
+    assert budget.hit_rate == 0.0 and not budget.current(VerifierView()).draft
+    for _ in range(20):  # answered from the speculation cache: 1 ms a cycle
+        budget.observe_cycle(step + 0.001, drafted=True, hit=True)
+    assert budget.hit_rate > 0.95 and budget.draft_extra_s > 0.029  # the miss cost is remembered, not mixed in
+    budget.plan = None
+    assert budget.drafting_s < 0.003 and budget.current(VerifierView()).draft
+    for _ in range(5):  # the hits stop (a busy drafter): the expected cost climbs back towards the miss cost
+        budget.observe_cycle(step + 0.030, drafted=True)
+    assert 0.010 < budget.drafting_s < 0.030
+
+
 def test_each_verifier_replica_has_its_own_budget_and_a_moved_request_follows():
     where = {"a": "v1", "b": "v1", "c": "v2"}
     planner = VerifyPlanner(0.3, engine_of=where.get)

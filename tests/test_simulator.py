@@ -83,6 +83,41 @@ def test_deterministic_with_a_seed():
     assert other != runs[0]
 
 
+def test_a_cache_hit_takes_the_draft_off_the_critical_path():
+    gamma, cycles = 3, 5
+    output = 1 + cycles * (gamma + 1)
+    work = Workload(8, output, clients=1, requests=1)
+    cached = dataclasses.replace(fixed(1.0, gamma), ahead_hit=1.0, ahead_budget=1)
+    r = simulate(cached, flat_cost(draft_s=0.005), Cluster(1, 1), work)
+    # the first block is drafted afresh (5 ms); each later one was drafted during the 10 ms verify before it
+    assert r.per_user_tok_s_median == pytest.approx((output - 1) / (cycles * STEP_S + 0.005))
+    assert r.extra == {"cache_hits": cycles - 1, "cache_hit_rate": (cycles - 1) / cycles}
+    plain = simulate(fixed(1.0, gamma), flat_cost(draft_s=0.005), Cluster(1, 1), work)
+    assert plain.per_user_tok_s_median == pytest.approx((output - 1) / (cycles * (STEP_S + 0.005)))
+    assert plain.extra == {}
+
+
+def test_pre_drafting_that_outlasts_the_verify_never_hits_and_delays_a_draft_by_one_step_at_most():
+    work = Workload(8, 21, clients=1, requests=1)
+    slow = dataclasses.replace(fixed(1.0), ahead_hit=1.0, ahead_budget=3)  # 3 × 5 ms > the 10 ms verify
+    r = simulate(slow, flat_cost(draft_s=0.005), Cluster(1, 1), work)
+    base = simulate(fixed(1.0), flat_cost(draft_s=0.005), Cluster(1, 1), work)
+    assert r.extra["cache_hits"] == 0
+    cycles = 5  # a real draft waits for the pre-drafting step in progress (5 ms), then ends the job
+    assert 20 / (20 / base.per_user_tok_s_median + cycles * 0.005) <= r.per_user_tok_s_median
+    assert r.per_user_tok_s_median < base.per_user_tok_s_median
+
+
+def test_the_scheduler_drafts_again_when_the_cache_answers():
+    arm = Arm("dspark", "dspark", "default", 4, (0.6,) * 4)
+    work = Workload(8, 200, clients=1, requests=2)
+    without = simulate(arm, flat_cost(draft_s=0.009), Cluster(1, 1), work)  # a 9 ms draft does not pay
+    cached = simulate(dataclasses.replace(arm, ahead_hit=0.9, ahead_budget=1), flat_cost(draft_s=0.009),
+                      Cluster(1, 1), work)
+    assert without.draft_fraction < 0.3 < cached.draft_fraction
+    assert cached.per_user_tok_s_median > without.per_user_tok_s_median
+
+
 def _cell(arm: str, c: int, tpot_ms: float, tau: float, verify_len: float, uncond: list[float]) -> dict:
     completed, output = 8, 32
     cycles = (output - 1) * completed / tau
@@ -98,7 +133,7 @@ def fixture_results() -> dict:
     return {"metadata": {"gamma": 4}, "cells": [
         _cell("none", 1, 22.0, 1.0, 0.0, []), _cell("mtp1", 1, 21.0, 1.8, 1.0, [0.8]),
         _cell("dspark-fixed", 1, 26.0, 2.1, 3.7, [0.55, 0.25, 0.19, 0.15]),
-        _cell("dspark", 1, 24.0, 1.05, 0.05, [0.9])]}
+        _cell("dspark", 1, 24.0, 1.05, 0.05, [0.9]), _cell("dspark-ahead", 1, 20.0, 1.05, 0.05, [0.9])]}
 
 
 def _check_calibration(results: dict) -> None:
@@ -107,6 +142,7 @@ def _check_calibration(results: dict) -> None:
     assert cal.hop_s > 0 and cal.router_s > 0 and math.isfinite(cal.ttft_offset_s)
     assert cal.draft_s and all(0 < s < 1 and math.isfinite(s) for s in cal.draft_s.values())
     assert cal.arms["dspark"].accept == cal.arms["dspark-fixed"].accept  # same drafter, untrimmed blocks
+    assert cal.arms["dspark-ahead"].accept == cal.arms["dspark-fixed"].accept
     assert all(0 < c <= 1 for c in cal.arms["dspark-fixed"].accept)
     rows = validate(results, cal, cal.cost(profile), seeds=1)
     assert rows and all(r.simulated["output_throughput"] > 0 for r in rows)

@@ -113,6 +113,7 @@ def spec_decode(before: dict[str, float], after: dict[str, float]) -> dict:
     d = _counter(before, after, "spec_decode_num_draft_tokens")
     a = _counter(before, after, "spec_decode_num_accepted_tokens")
     per_pos = _per_position(before, after)
+    hits, misses = _counter(before, after, "spec_cache_hits"), _counter(before, after, "spec_cache_misses")
     return {
         "drafts": n, "draft_tokens": d, "accepted": a,
         "tau": 1.0 + a / n if a is not None and n else None,
@@ -127,4 +128,7 @@ def spec_decode(before: dict[str, float], after: dict[str, float]) -> dict:
         "trimmed_draft_tokens": _counter(before, after, "spec_decode_num_trimmed_draft_tokens"),
         "drafts_skipped": _counter(before, after, "scheduler_drafts_skipped"),
         "generation_tokens": _counter(before, after, "generation_tokens"),
+        "spec_cache_hits": hits,
+        "spec_cache_misses": misses,
+        "spec_cache_hit_rate": _ratio(hits, hits + misses) if hits is not None and misses is not None else None,
     }

@@ -8,6 +8,9 @@ Only the c = 1 cells are used here, where nothing overlaps and a cycle is a sum 
              cycle time = TPOT · decode tokens / verify cycles (≈ TPOT · τ) and ℓ̄ the measured mean verify length;
   ttft_offset  the `none` arm's TTFT at c = 1 − (step(P) + 2 hops): the profile's B = P point batches many short
              requests, a single prompt's prefill costs differently (and HTTP, tokenising); may be negative.
+  ahead_hit  the `dspark-ahead` arm's share of draft requests answered from the speculation cache (server
+             counters, pooled over its cells). The bench cannot tell a miss because the pre-drafting had not
+             finished from one the cache did not cover, so as P(hit | pre-drafting finished) it is a lower bound.
 The drafter's per-request slope and the shared-CPU contention factor are not visible at c = 1; `studies.fit_globals`
 fits them (two numbers for all cells) against the c > 1 cells.
 """
@@ -23,7 +26,8 @@ from benchmarks.simulator.model import Arm, CostModel, DraftCost, StepProfile
 
 HOP_S = 0.0003  # one way; 0.6 ms per round trip (docs/serving.md, benchmarks/grpc_shapes.py)
 ARM_POLICY = {"none": ("none", "none"), "mtp1": ("mtp1", "mtp"), "eagle3": ("fixed", "eagle3"),
-              "dflash": ("fixed", "dflash"), "dspark-fixed": ("fixed", "dspark"), "dspark": ("dspark", "dspark")}
+              "dflash": ("fixed", "dflash"), "dspark-fixed": ("fixed", "dspark"), "dspark": ("dspark", "dspark"),
+              "dspark-ahead": ("dspark", "dspark")}
 
 
 @dataclass(slots=True)
@@ -91,17 +95,28 @@ def acceptance(cells: list[dict]) -> tuple[float, ...]:
     return tuple(out)
 
 
+def hit_rate(cells: list[dict]) -> float:
+    """Pooled speculation-cache hit rate of cells (0 where the server counted no lookups)."""
+    hits = sum((c.get("server") or {}).get("spec_cache_hits") or 0.0 for c in cells)
+    misses = sum((c.get("server") or {}).get("spec_cache_misses") or 0.0 for c in cells)
+    return hits / (hits + misses) if hits + misses else 0.0
+
+
 def arms_of(results: dict) -> dict[str, Arm]:
-    """One `Arm` per measured arm; scheduled dspark takes dspark-fixed's acceptance (same drafter, untrimmed)."""
+    """One `Arm` per measured arm; scheduled dspark (with or without the cache) takes dspark-fixed's acceptance
+    (same drafter, untrimmed)."""
     gamma = int(results.get("metadata", {}).get("gamma", 7))
     cells = closed_cells(results)
     names = sorted({c["arm"] for c in cells}, key=lambda a: list(ARM_POLICY).index(a) if a in ARM_POLICY else 99)
     arms = {}
     for name in names:
         policy, method = ARM_POLICY.get(name, ("fixed", name))
-        source = "dspark-fixed" if name == "dspark" and any(c["arm"] == "dspark-fixed" for c in cells) else name
+        fixed = any(c["arm"] == "dspark-fixed" for c in cells)
+        source = "dspark-fixed" if name in ("dspark", "dspark-ahead") and fixed else name
         accept = acceptance([c for c in cells if c["arm"] == source])
-        arms[name] = Arm(name, policy, method, 1 if policy == "mtp1" else (0 if policy == "none" else gamma), accept)
+        hit = hit_rate([c for c in cells if c["arm"] == name]) if name == "dspark-ahead" else 0.0
+        arms[name] = Arm(name, policy, method, 1 if policy == "mtp1" else (0 if policy == "none" else gamma), accept,
+                         ahead_hit=hit)
     return arms
 
 

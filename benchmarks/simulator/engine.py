@@ -4,6 +4,11 @@ One heap of (time, seq, handler, args) events. Each request runs the router's cy
 → commit — against replicas that batch: a verifier step takes every ready item (1 + ℓ tokens, or a prefill of
 P tokens) and lasts step_time(B); a drafter step drafts every queued request at once. Placement is least-loaded
 at arrival and sticky. Every hop costs `hop_s` one way and every cycle `router_s` of router work.
+
+An arm with `ahead_hit` > 0 drafts ahead (docs/design.md §7): the verify notice gives the request's drafter a job
+of `ahead_budget` drafter steps, run one step at a time while the drafter has nothing queued (a real draft waits
+for the step in progress, as `drafter_worker/ahead.py` does); when the request's next draft arrives after its job
+finished, it is a hit with probability `ahead_hit` and returns without a drafter step.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from benchmarks.simulator.ahead import AheadDrafting
 from benchmarks.simulator.metrics import Tally, result
 from benchmarks.simulator.model import Arm, Cluster, CostModel, RequestStats, SimResult, Workload
 from benchmarks.simulator.policies import OWN_LOAD, Block, SimBudget, accepted, draw_block, verify_len
@@ -28,6 +34,7 @@ class Replica:
     queued_sessions: int = 0  # queue items of `sessions` (the batch window waits for all of them)
     window: int = 0  # batch-window generation: a timer of an older one is stale
     budget: SimBudget | None = None  # verifiers of the dspark policy
+    ahead: list = field(default_factory=list)  # drafter: [rid, steps left] pre-drafting jobs, oldest first
 
 
 @dataclass(slots=True)
@@ -42,9 +49,11 @@ class Req:
     verify_at: float = 0.0  # when the current verify was sent
     block: Block | None = None
     drafted: bool = False
+    ahead_ready: bool = False  # its pre-drafting job finished since the last draft
+    hit: bool = False  # this cycle's block came from the speculation cache
 
 
-class Simulation:
+class Simulation(AheadDrafting):
     """One run of one arm on one cluster under one workload; `run()` → `SimResult`."""
 
     def __init__(self, arm: Arm, cost: CostModel, cluster: Cluster, workload: Workload, seed: int = 0):
@@ -127,12 +136,14 @@ class Simulation:
         """The block is back at the router: schedule (trim) it and send it for verification."""
         req = self.reqs[rid]
         bound = min(self.arm.bound, req.remaining - 1)
-        req.block = draw_block(self.arm, bound, self.rng)
+        req.block = draw_block(self.arm, bound, self.rng, self.arm.ahead_quality if req.hit else 1.0)
         length = verify_len(self.arm, bound, req.block, self.verifiers[req.verifier].budget, rid, self.now)
         self._send_verify(req, length)
 
     def _send_verify(self, req: Req, length: int) -> None:
         req.verify_at = self.now + self.cost.hop_s
+        if self.arm.ahead_hit > 0 and length > 0:  # the ahead notice, beside the verify call
+            self.at(req.verify_at, self.ahead_notice, req.drafter, req.rid)
         self.at(req.verify_at, self.verifier_enqueue, req.verifier, (req.rid, 1 + length, length))
 
     def commit(self, rid: int, emitted: int, step_s: float, prefill: bool) -> None:
@@ -150,7 +161,7 @@ class Simulation:
             self.tally.cycle(emitted, step_s, req.drafted)
             if budget is not None:
                 budget.observe_verify(self.now - req.verify_at)
-                budget.observe_cycle(self.now + self.cost.router_s - req.cycle_at, req.drafted)
+                budget.observe_cycle(self.now + self.cost.router_s - req.cycle_at, req.drafted, req.hit)
         if req.remaining > 0:
             self.at(self.now + self.cost.router_s, self.begin_cycle, rid)
             return
@@ -231,6 +242,11 @@ class Simulation:
     # --- drafter replicas -------------------------------------------------------------------------------------
     def drafter_enqueue(self, d: int, rid: int) -> None:
         rep = self.drafters[d]
+        req = self.reqs[rid]
+        req.hit = self._cache_hit(rep, req)
+        if req.hit:  # answered from the cache: no drafter step
+            self.at(self.now + self.cost.hop_s, self.drafted, rid)
+            return
         rep.queue.append(rid)
         rep.sessions.add(rid)  # a context opens at the request's first draft
         rep.queued_sessions += 1
@@ -252,6 +268,8 @@ class Simulation:
             self.at(self.now + self.cost.hop_s, self.drafted, rid)
         if rep.queue:  # the drafter's loop gathers again before every step
             self._gather(rep, d, self._drafter_step)
+        else:
+            self._ahead_step(d)
 
     def _drafter_busy(self, v: int) -> bool:
         n = len(self.verifiers)

@@ -20,6 +20,8 @@ class Tally:
     cycle_tokens: int = 0  # tokens emitted by decode cycles
     drafted_cycles: int = 0
     verified_drafts: int = 0  # Σ ℓ over decode cycles
+    cache_hits: int = 0  # draft requests answered from the speculation cache (arms that draft ahead)
+    cache_misses: int = 0
     done_stats: list[RequestStats] = field(default_factory=list)
     last_done_s: float = 0.0
     window: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) at window start and end
@@ -28,6 +30,10 @@ class Tally:
         self.cycles += 1
         self.cycle_tokens += emitted
         self.drafted_cycles += drafted
+
+    def cache(self, hit: bool) -> None:
+        self.cache_hits += hit
+        self.cache_misses += not hit
 
     def verified(self, length: int) -> None:
         self.verified_drafts += length
@@ -77,4 +83,10 @@ def result(arm: str, cluster: Cluster, work: Workload, tally: Tally, mean_budget
         tau=tally.cycle_tokens / tally.cycles if tally.cycles else float("nan"),
         mean_verify_len=tally.verified_drafts / tally.cycles if tally.cycles else 0.0,
         draft_fraction=tally.drafted_cycles / tally.cycles if tally.cycles else 0.0,
-        mean_budget=mean_budget, duration_s=duration, requests=len(stats), events=events, wall_s=wall_s)
+        mean_budget=mean_budget, duration_s=duration, requests=len(stats), events=events, wall_s=wall_s,
+        extra=_cache_view(tally))
+
+
+def _cache_view(tally: Tally) -> dict:
+    looked = tally.cache_hits + tally.cache_misses
+    return {"cache_hits": tally.cache_hits, "cache_hit_rate": tally.cache_hits / looked} if looked else {}

@@ -85,6 +85,9 @@ class Arm:
     concentration: float = 4.0  # dspark: per-block c_k ~ Beta with mean c_k and this α + β
     probe_s: tuple[float, float] = (0.5, 8.0)  # dspark: probe interval while K* = 0 (first, longest)
     fallback_threshold: float = 0.3  # dspark: λ before any block has been seen (the router's threshold)
+    ahead_hit: float = 0.0  # > 0: the drafter drafts ahead (speculation cache); P(hit | the pre-drafting finished)
+    ahead_budget: int = 2  # outcomes pre-drafted per cycle: one drafter step each, run only while it is idle
+    ahead_quality: float = 1.0  # c_k of a cached block as a share of a fresh one's (stand-in features)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

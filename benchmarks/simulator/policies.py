@@ -27,12 +27,13 @@ class Block:
     survivals: list[float]  # a_k = Π_{i≤k} p_i (calibrated: the scheduler's estimate is the truth)
 
 
-def draw_block(arm: Arm, length: int, rng: random.Random) -> Block:
+def draw_block(arm: Arm, length: int, rng: random.Random, quality: float = 1.0) -> Block:
     """A block of `length` drafts. Scheduled dspark draws each position's probability from Beta(mean c_k), so
-    confidences vary from block to block and carry signal; the other arms use c_k itself (no signal needed)."""
+    confidences vary from block to block and carry signal; the other arms use c_k itself (no signal needed).
+    `quality` scales c_k (a block drafted ahead from stand-in features)."""
     probs = []
     for k in range(1, length + 1):
-        c = arm.c(k)
+        c = arm.c(k) * quality
         if arm.policy == "dspark" and 0.0 < c < 1.0:
             c = rng.betavariate(arm.concentration * c, arm.concentration * (1.0 - c))
         probs.append(c)

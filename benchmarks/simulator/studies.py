@@ -104,7 +104,8 @@ class ScaleRow:
 
 
 def gpu_arms(arms: dict[str, Arm], gamma: int = 7) -> list[Arm]:
-    """The scale study's policies with this machine's measured acceptance: none, mtp1, fixed γ, scheduled."""
+    """The scale study's policies with this machine's measured acceptance: none, mtp1, fixed γ, scheduled, and
+    scheduled with the speculation cache where the bench measured its hit rate."""
     dspark = arms.get("dspark-fixed") or arms.get("dspark")
     out = [Arm("none", "none")]
     if "mtp1" in arms:
@@ -112,6 +113,9 @@ def gpu_arms(arms: dict[str, Arm], gamma: int = 7) -> list[Arm]:
     if dspark is not None:
         out.append(dataclasses.replace(dspark, name="dspark-fixed", policy="fixed", gamma=gamma))
         out.append(dataclasses.replace(dspark, name="dspark", policy="dspark", gamma=gamma))
+        if arms.get("dspark-ahead") is not None and arms["dspark-ahead"].ahead_hit > 0:
+            out.append(dataclasses.replace(dspark, name="dspark-ahead", policy="dspark", gamma=gamma,
+                                           ahead_hit=arms["dspark-ahead"].ahead_hit))
     return out
 
 

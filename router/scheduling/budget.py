@@ -17,6 +17,12 @@ the cost in, K* = 0 means "drafting does not pay at this load": the requests the
 without asking the drafter, and one of them drafts now and then (a probe, at growing intervals) so
 the survivals the plan rests on stay current.
 
+Drafting off the critical path (`speculative.ahead`, docs/design.md §7): a draft answered from the drafter's
+speculation cache costs a cycle almost nothing, so the drafting term is the expected one,
+h · (a hit's extra) + (1 − h) · (a miss's extra), with h the hit rate of drafting cycles. The two extras and h
+are kept apart rather than mixed in one EMA because h moves with the load (a busy drafter pre-drafts less) while
+each extra stays put; with a high hit rate longer blocks cost little more than plain cycles and the plan says so.
+
 Why this is lossless: the plan never sees the block it trims (a block is recorded only after it is
 trimmed) and a_j depends on x_<j only, so whether x_j is verified never depends on x_j. Because the
 plan's inputs are stale, the search needs no early stop; that is the paper's production form
@@ -106,7 +112,9 @@ class VerifyBudget:
         self.alpha = alpha  # weight of the newest sample in the EMAs below
         self.step_s = 0.0  # verify round trip: how long a plan stays current
         self.plain_extra_s = 0.0  # a plain cycle's time beyond the profiled step
-        self.draft_extra_s = 0.0  # a drafting cycle's time beyond the profiled step
+        self.draft_extra_s = 0.0  # a drafting cycle's time beyond the profiled step (drafted on the critical path)
+        self.hit_extra_s = 0.0  # the same for a cycle whose draft came from the speculation cache
+        self.hit_rate = 0.0  # share of drafting cycles answered from the cache (EMA)
         self.probe_s = probe_s  # (first, longest) interval between probes while drafting does not pay
         self._probe_every, self._probe_at = probe_s[0], 0.0
         self.plan: Plan | None = None
@@ -120,16 +128,27 @@ class VerifyBudget:
     def observe_verify(self, seconds: float) -> None:
         self.step_s = ema(self.step_s, seconds, self.alpha)
 
-    def observe_cycle(self, seconds: float, drafted: bool) -> None:
+    def observe_cycle(self, seconds: float, drafted: bool, hit: bool = False) -> None:
         """A whole cycle of a dspark request, drafted or plain, against the plan in force (replanned at most
-        once a verify round trip, so close to the one the cycle ran under)."""
+        once a verify round trip, so close to the one the cycle ran under); `hit`: its draft came from the
+        drafter's speculation cache."""
         if self.sps is None or self.plan is None:
             return
         extra = max(0.0, seconds - 1 / self.sps(self.plan.batch_tokens))
-        if drafted:
-            self.draft_extra_s = ema(self.draft_extra_s, extra, self.alpha)
-        else:
+        if not drafted:
             self.plain_extra_s = ema(self.plain_extra_s, extra, self.alpha)
+            return
+        self.hit_rate += self.alpha * (float(hit) - self.hit_rate)  # from 0: no hit seen means no hit expected
+        if hit:
+            self.hit_extra_s = ema(self.hit_extra_s, extra, self.alpha)
+        else:
+            self.draft_extra_s = ema(self.draft_extra_s, extra, self.alpha)
+
+    @property
+    def drafting_s(self) -> float:
+        """What drafting adds to a cycle in expectation: only the share of it on the critical path."""
+        expected = self.hit_rate * self.hit_extra_s + (1 - self.hit_rate) * self.draft_extra_s
+        return max(0.0, expected - self.plain_extra_s)
 
     def wants_draft(self, view: VerifierView, now: float | None = None) -> bool:
         """Whether a request should draft this cycle: the plan says drafting pays, or a probe is due."""
@@ -165,5 +184,5 @@ class VerifyBudget:
             pool = [a for row in self.rows.values() for a in row if a >= self.fallback_threshold]
             return Plan(len(pool), self.fallback_threshold, anchors + len(pool), view.fallback, now)
         k, lam = plan_budget(self.rows.values(), anchors, self.sps, view.other_requests, view.other_tokens,
-                             max(0.0, self.draft_extra_s - self.plain_extra_s), self.plain_extra_s)
+                             self.drafting_s, self.plain_extra_s)
         return Plan(k, lam, anchors + view.other_requests + view.other_tokens + k, view.fallback, now, draft=k > 0)

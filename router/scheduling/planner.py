@@ -36,6 +36,7 @@ class CycleRecord:
     accepted: int
     verify_s: float  # the verify round trip
     cycle_s: float  # the whole cycle, drafting included
+    hit: bool = False  # the block came from the drafter's speculation cache (drafted off the critical path)
 
 
 @dataclass(slots=True)
@@ -114,7 +115,7 @@ class VerifyPlanner:
         if cycle.decision is not None:
             self.acceptance.observe(cycle.method, cycle.greedy, cycle.decision.signals, cycle.verified, cycle.accepted)
         if cycle.policy is Policy.DSPARK:
-            budget.observe_cycle(cycle.cycle_s, drafted=cycle.decision is not None)
+            budget.observe_cycle(cycle.cycle_s, drafted=cycle.decision is not None, hit=cycle.hit)
 
     def decide(self, request_id: str, policy: Policy, method: str, greedy: bool, block: DraftBlock, bound: int,
                tokens_needed: float = 0.0) -> Decision:
