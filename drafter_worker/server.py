@@ -69,7 +69,8 @@ class DrafterServicer(rpc.DrafterServicer):
         try:
             if msg.new_ids or msg.features.ByteSize():
                 raise InvalidRequestError("an ahead notice carries no new_ids or features")
-            await self.service.ahead(msg.request_id, msg.cycle, validate.gamma(msg.gamma))
+            gamma = validate.gamma(msg.gamma)
+            await self.service.ahead(msg.request_id, msg.cycle, gamma, validate.acceptance(msg.accept, gamma))
         except Exception as error:
             return error
         return None

@@ -12,7 +12,7 @@ without drafting, e.g. while the drafter was unreachable); anything else is stal
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -123,10 +123,11 @@ class DrafterService(TierLoop):
         self._wake.set()
         return await item.done
 
-    async def ahead(self, request_id: str, cycle: int, verify_len: int) -> None:
+    async def ahead(self, request_id: str, cycle: int, verify_len: int, accept: list[float] | None = None) -> None:
         """The block answered for `cycle` was cut to `verify_len` drafts and sent: draft ahead of its outcomes
         (proposers with a speculation cache, `drafter_worker/ahead.py`), after any draft request waiting. A stale
-        or unknown cycle, or a proposer without a cache, is ignored: drafting ahead is an optimisation."""
+        or unknown cycle, or a proposer without a cache, is ignored: drafting ahead is an optimisation. `accept`
+        (the router's ĉ_k of the verified drafts) replaces the block's own estimate in choosing the outcomes."""
         self._check_open()
         async with self._lock:
             session = self._sessions.get(request_id)
@@ -136,7 +137,10 @@ class DrafterService(TierLoop):
             session.last = None
             if not hasattr(self.proposers[session.method], "speculation"):
                 return
-            self._ahead.append((request_id, block.head(verify_len), gamma))
+            block = block.head(verify_len)
+            if accept:  # the outcome rule reads a block's confidences as its ĉ_k: the router's measured ones win
+                block = replace(block, confidences=list(accept[: len(block)]))
+            self._ahead.append((request_id, block, gamma))
         self._wake.set()
 
     async def release(self, request_id: str) -> bool:
@@ -263,8 +267,8 @@ class LocalDrafter:
     async def draft(self, request_id, cycle, new_ids, feature_start, features, gamma, traceparent) -> DraftBlock:
         return await self.service.draft(request_id, cycle, new_ids, feature_start, features, gamma)
 
-    async def ahead(self, request_id, cycle, verify_len) -> None:
-        await self.service.ahead(request_id, cycle, verify_len)
+    async def ahead(self, request_id, cycle, verify_len, accept=None) -> None:
+        await self.service.ahead(request_id, cycle, verify_len, accept)
 
     async def release(self, request_id) -> None:
         await self.service.release(request_id)

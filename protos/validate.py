@@ -48,6 +48,18 @@ def gamma(value: int) -> int:
     return value
 
 
+def acceptance(values, gamma: int) -> list[float] | None:
+    """An ahead notice's per-draft acceptance estimates: none, or one probability per verified draft."""
+    values = list(values)
+    if not values:
+        return None
+    if len(values) != gamma:
+        raise InvalidRequestError(f"accept has {len(values)} values for {gamma} verified drafts")
+    if not all(0.0 <= v <= 1.0 for v in values):  # also refuses NaN
+        raise InvalidRequestError("accept values must be probabilities in [0, 1]")
+    return values
+
+
 def params(msg: pb.SamplingParams) -> SamplingParams:
     if 0.0 < msg.temperature < MIN_TEMPERATURE:
         raise InvalidRequestError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got "

@@ -176,7 +176,7 @@ class Router:
             decision = None
             if block:
                 block, decision = self._schedule(s, block, bound)
-            ahead = self._ahead_notice(s, block)
+            ahead = self._ahead_notice(s, block, decision)
             with self.tracer.start_as_current_span("verify") as vspan:
                 sent = time.perf_counter()
                 done = await self._verify(s, block)
@@ -216,18 +216,20 @@ class Router:
             span.set_attributes(attrs)
         return block.head(d.verify_len), d
 
-    def _ahead_notice(self, s: Session, block: DraftBlock | None) -> asyncio.Task | None:
-        """Requests with `ahead`: tell the drafter which cut of its block is being verified, beside the verify
-        call, so that it drafts the next block for the block's likeliest outcomes meanwhile (a replica with a
-        speculation cache, docs/design.md §7). The task is awaited after the verification, so the next draft
-        request follows the notice on the stream."""
+    def _ahead_notice(self, s: Session, block: DraftBlock | None, decision: Decision | None) -> asyncio.Task | None:
+        """Requests with `ahead`: tell the drafter which cut of its block is being verified, with the acceptance
+        the router has measured for it (its fan-out across ℓ follows that), beside the verify call, so that it
+        drafts the next block for the block's likeliest outcomes meanwhile (a replica with a speculation cache,
+        docs/design.md §7). The task is awaited after the verification, so the next draft request follows the
+        notice on the stream."""
         if not s.spec.ahead or not block or not s.drafter_ok:
             return None
-        return asyncio.create_task(self._send_ahead(s, len(block)))
+        accept = decision.accept[: len(block)] if decision is not None else []
+        return asyncio.create_task(self._send_ahead(s, len(block), accept if len(accept) == len(block) else None))
 
-    async def _send_ahead(self, s: Session, verify_len: int) -> None:
+    async def _send_ahead(self, s: Session, verify_len: int, accept: list[float] | None) -> None:
         try:
-            await self.drafter.ahead(s.request.request_id, s.cycle, verify_len)
+            await self.drafter.ahead(s.request.request_id, s.cycle, verify_len, accept)
         except Exception as error:  # the next draft request finds out whether the drafter is still there
             log.debug("ahead notice for %s not sent: %s", s.request.request_id, error)
 

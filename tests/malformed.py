@@ -7,6 +7,7 @@ must end with when that is not INVALID_ARGUMENT (FAILED_PRECONDITION for a stale
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import grpc
@@ -202,10 +203,24 @@ DRAFT_FAULTS = [
     lambda d, m, L: setattr(m, "feature_start", d(st.integers(0, U32).filter(lambda s: s != m.feature_start))),
     lambda d, m, L: setattr(m, "gamma", d(st.integers(MAX_GAMMA + 1, U32))),
     lambda d, m, L: setattr(m, "ahead", True),  # an ahead notice carries no delta
+    lambda d, m, L: _notice(m, d(st.integers(0, 8)), d(st.integers(1, 3))),  # accept of the wrong length
+    lambda d, m, L: _notice(m, d(st.integers(1, 8)), 0, d(st.sampled_from([-0.5, 1.5, math.nan, math.inf]))),
     lambda d, m, L: (m.new_ids.extend([1] * (L.positions - m.feature_start + d(st.integers(0, 3)))),
                      m.features.CopyFrom(zeros(len(m.new_ids), L.width))),  # past the position table
     *FEATURE_FAULTS,
 ]
+
+
+def _notice(m: pb.DraftRequest, gamma: int, extra: int, bad: float | None = None) -> None:
+    """Turn a draft request into an ahead notice for `gamma` drafts whose accept list is `extra` values too long,
+    or has `bad` (not a probability) as its last value."""
+    m.ClearField("new_ids")
+    m.ClearField("features")
+    m.ahead, m.gamma = True, gamma
+    values = [0.5] * (gamma + extra)
+    if bad is not None:
+        values[-1] = bad
+    _set(m.accept, values)
 
 
 def base_draft(d, L: Limits) -> pb.DraftRequest:

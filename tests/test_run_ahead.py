@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from drafter_worker.ahead import RunAhead
 from drafter_worker.drafter import Drafter
+from drafter_worker.service import DrafterService
 from drafter_worker.speculation import Outcome, Speculation, SpeculationCache, likely_outcomes, outcome_of
 from router.offline import GenerationRequest, LocalRouter
 from router.scheduling.policy import Policy
 from services.types import DraftBlock, SamplingParams
 from tests.conftest import make_engine, make_model, random_prompts
+from tests.drafters import RandomProposer
 from tests.test_drafters import TAPS, draft_model
 from tests.test_engine_distribution import PARAMS, PROMPT, VOCAB, _marginals, _p_value
 
@@ -111,3 +115,33 @@ def test_the_ahead_option_is_resolved_per_request():
     for bad in ({"ahead": "yes"}, {"ahead": 1}, {"method": "none", "ahead": True}):
         with pytest.raises(InvalidRequestError, match="ahead"):
             resolve(bad, default, {"dspark"}, 16)
+
+
+class _Recording(RandomProposer):
+    """Records the acceptance estimates each ahead notice hands the speculation (it drafts nothing)."""
+
+    def __init__(self):
+        super().__init__(96)
+        self.seen: list[list[float] | None] = []
+
+    def speculation(self, sent, gamma, params):
+        self.seen.extend(block.confidences for _, block in sent.values())
+        return iter(())
+
+
+def test_the_fan_out_follows_the_acceptance_the_router_sends():
+    async def run():
+        proposer = _Recording()
+        service = DrafterService({"random": proposer}, {"random": 4})
+        await service.start()
+        await service.open("r", [1, 2, 3], torch.zeros(2, 4), SamplingParams())
+        await service.draft("r", 1, [7], 2, torch.zeros(1, 4), 3)
+        await service.ahead("r", 1, 2, [0.9, 0.4])  # the router's ĉ_k of the two verified drafts
+        await asyncio.sleep(0.2)
+        await service.draft("r", 2, [5], 3, torch.zeros(1, 4), 3)
+        await service.ahead("r", 2, 3)  # none sent: the block's own estimate (this proposer has none)
+        await asyncio.sleep(0.2)
+        await service.stop()
+        return proposer.seen
+
+    assert asyncio.run(run()) == [[0.9, 0.4], None]

@@ -13,7 +13,7 @@ another replica moves budgets. No Ray, no gRPC, no Redis.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.scheduling.acceptance import AcceptanceModel
 from router.scheduling.board_view import BoardView
@@ -46,6 +46,7 @@ class Decision:
     signals: list[float | None]  # [drafted] what the drafter sent for each position
     survivals: list[float]  # [drafted] a_1..a_drafted from the acceptance estimates
     plan: Plan | None  # the budget in force (policy dspark)
+    accept: list[float] = field(default_factory=list)  # [drafted] ĉ_k: the estimates a_k multiplies up
 
 
 class VerifyPlanner:
@@ -128,11 +129,12 @@ class VerifyPlanner:
             bound = 0
         block = block.head(min(len(block), bound))
         signals = AcceptanceModel.signals(block)
-        a = survival(self.acceptance.estimate(method, greedy, signals))
+        accept = self.acceptance.estimate(method, greedy, signals)
+        a = survival(accept)
         length, plan = len(block), None
         if policy is Policy.THRESHOLD:
             length = max(leading(a, self.threshold), sla_len(a, tokens_needed) if tokens_needed else 0)
         elif policy is Policy.DSPARK:
             engine, budget = self.budget(request_id)
             length, plan = budget.trim(request_id, a, self.view(engine, budget), tokens_needed)
-        return Decision(length, len(block), signals, a, plan)
+        return Decision(length, len(block), signals, a, plan, list(accept))

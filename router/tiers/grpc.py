@@ -166,9 +166,9 @@ class GrpcDrafter:
         reply = await self._streams.exchange(request_id, msg)
         return codec.block_from_pb(reply.block)
 
-    async def ahead(self, request_id, cycle, verify_len) -> None:
+    async def ahead(self, request_id, cycle, verify_len, accept=None) -> None:
         await self._streams.send(request_id, pb.DraftRequest(request_id=request_id, cycle=cycle, gamma=verify_len,
-                                                             ahead=True))
+                                                             ahead=True, accept=accept or []))
 
     def forget(self, request_id) -> None:
         """Cancel the request's stream without waiting on this replica (it is presumed lost)."""

@@ -123,10 +123,10 @@ class PooledDrafter(_Pooled):
             self._lost(rid, client, error)
             raise
 
-    async def ahead(self, request_id, cycle, verify_len) -> None:
+    async def ahead(self, request_id, cycle, verify_len, accept=None) -> None:
         placed = self.replicas.placed(request_id)
         if placed is not None:  # else the next draft request finds the replica gone
-            await placed[1].ahead(request_id, cycle, verify_len)
+            await placed[1].ahead(request_id, cycle, verify_len, accept)
 
 
 

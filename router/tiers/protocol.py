@@ -37,8 +37,9 @@ class DrafterTier(Protocol):
     async def draft(self, request_id: str, cycle: int, new_ids: list[int], feature_start: int,
                     features: torch.Tensor | None, gamma: int, traceparent: str) -> DraftBlock: ...
 
-    async def ahead(self, request_id: str, cycle: int, verify_len: int) -> None:
-        """The block of `cycle` went to verification cut to `verify_len` drafts: draft ahead (no reply)."""
+    async def ahead(self, request_id: str, cycle: int, verify_len: int, accept: list[float] | None = None) -> None:
+        """The block of `cycle` went to verification cut to `verify_len` drafts: draft ahead (no reply). `accept`:
+        the router's ĉ_k of each verified draft, which the fan-out follows (None: the drafter's own estimate)."""
 
     async def release(self, request_id: str) -> None: ...
 

@@ -287,7 +287,7 @@ class OpenReply(_message.Message):
     def __init__(self, context_length: _Optional[int] = ..., method: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("request_id", "cycle", "new_ids", "feature_start", "features", "gamma", "traceparent", "ahead")
+    __slots__ = ("request_id", "cycle", "new_ids", "feature_start", "features", "gamma", "traceparent", "ahead", "accept")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     NEW_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +296,7 @@ class DraftRequest(_message.Message):
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cycle: int
     new_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -304,7 +305,8 @@ class DraftRequest(_message.Message):
     gamma: int
     traceparent: str
     ahead: bool
-    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., new_ids: _Optional[_Iterable[int]] = ..., feature_start: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., gamma: _Optional[int] = ..., traceparent: _Optional[str] = ..., ahead: _Optional[bool] = ...) -> None: ...
+    accept: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., new_ids: _Optional[_Iterable[int]] = ..., feature_start: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., gamma: _Optional[int] = ..., traceparent: _Optional[str] = ..., ahead: _Optional[bool] = ..., accept: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DraftReply(_message.Message):
     __slots__ = ("request_id", "cycle", "block")
