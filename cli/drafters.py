@@ -51,6 +51,9 @@ def add_train_parser(train_sub) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--standin-weight", type=float, default=0.0, help="block drafters: weight of the stand-in "
+                   "term, which trains the states a block drafts ahead from (docs/drafters.md)")
+    p.add_argument("--init-from", type=Path, help="an exported drafter to fine-tune instead of fresh weights")
 
 
 def _cache_dir(args) -> Path:
@@ -98,7 +101,8 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         run_dir=args.run_dir or cache_dir / "runs" / suffix, out_dir=args.out or Path("models") /
         f"{target_dir.name}-{suffix}", steps=_steps(args, len(train_cache)), batch_sequences=args.batch_sequences,
         anchors_per_sequence=args.anchors, lr=args.lr, eval_every=args.eval_every, seed=args.seed,
-        patience=args.patience, autocast=False if args.no_autocast else None)
+        patience=args.patience, autocast=False if args.no_autocast else None, standin_weight=args.standin_weight,
+        init_from=args.init_from)
     target = load_model(target_dir, "float32", "cpu")
     out = train(dcfg, target, train_cache, val_cache, cfg, log=_log())
     _log()(f"exported the drafter to {out}")

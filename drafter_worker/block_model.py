@@ -35,7 +35,11 @@ class BlockDraftModel(DraftModelBase):
 
     def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> ContextKV:
         """Target features taps [B, S, T*d] at positions [B, S] → each layer's context (k, v) [B, Hkv, S, Dh]."""
-        ctx = self.context(taps)  # [B, S, d]
+        return self.rows_kv(self.context(taps), positions)
+
+    def rows_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> ContextKV:
+        """Context rows ctx [B, S, d] (projected target features, or the drafter's own states standing in for
+        them) at positions [B, S] → each layer's (k, v) [B, Hkv, S, Dh]."""
         rope = self.rotary().gather(positions, ctx.dtype)
         return [layer.self_attn.keys_values(ctx, rope) for layer in self.layers]
 

@@ -14,7 +14,7 @@ from tests.conftest import VOCAB, make_model
 from training import target_cache
 from training.anchors import block_labels, sample_anchors
 from training.drafter import DrafterTrainConfig, train
-from training.drafter_losses import decay_weights, dspark_loss, soft_ce_loss, step_weights
+from training.drafter_losses import decay_weights, dspark_loss, soft_ce_loss, standin_loss, step_weights
 from training.early_stop import EarlyStop, expected_accepted
 
 TAPS = (0, 1, 2)
@@ -154,3 +154,33 @@ def test_training_stops_early_and_exports_the_best_step(caches):
     assert best["best"] == max(scores)
     train(dcfg, target, cache, val, cfg, log=lambda _: None)  # a rerun of a stopped run trains no further
     assert len((run_dir / "log.jsonl").read_text().splitlines()) == len(log)
+
+
+def test_the_stand_in_term_is_relative_and_masked():
+    ctx = torch.tensor([[[2.0, 0.0], [0.0, 1.0]]])  # [1, 2, 2]
+    h = torch.tensor([[[1.0, 0.0], [5.0, 5.0]]])
+    assert standin_loss(h, ctx, torch.tensor([[True, False]])) == pytest.approx(0.25)  # ‖(−1, 0)‖² / ‖(2, 0)‖²
+    assert standin_loss(ctx, ctx, torch.ones(1, 2, dtype=torch.bool)) == 0.0
+
+
+def test_stand_in_fine_tune_starts_from_the_export_and_closes_the_gap(caches):
+    """`init_from` starts at the exported weights; training with the stand-in term brings the block's states
+    closer to the context rows they stand in for when drafting ahead."""
+    target, _, cache, val, root = caches
+    dcfg = default_config("dflash", "tiny", TAPS, VOCAB - 1)
+    base = DrafterTrainConfig(run_dir=root / "run-base", out_dir=root / "out-base", steps=3, batch_sequences=2,
+                              anchors_per_sequence=4, eval_every=3)
+    exported = train(dcfg, target, cache, val, base, log=lambda _: None)
+    copy = DrafterTrainConfig(run_dir=root / "run-copy", out_dir=root / "out-copy", steps=0, init_from=exported)
+    same = load_drafter(train(dcfg, target, cache, val, copy, log=lambda _: None), target, "float32")[0]
+    trained = load_drafter(exported, target, "float32")[0]
+    pairs = zip(same.state_dict().values(), trained.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    tune = DrafterTrainConfig(run_dir=root / "run-tune", out_dir=root / "out-tune", steps=30, batch_sequences=2,
+                              anchors_per_sequence=4, eval_every=30, lr=3e-3, standin_weight=1.0,
+                              init_from=exported)
+    train(dcfg, target, cache, val, tune, log=lambda _: None)
+    log = [json.loads(line) for line in (root / "run-tune" / "log.jsonl").read_text().splitlines()]
+    first, last = log[0]["standin"], sum(r["standin"] for r in log[-5:]) / 5
+    assert last < 0.7 * first
+    assert "standin" not in json.loads((root / "run-base" / "log.jsonl").read_text().splitlines()[0])

@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from drafter_worker.checkpoint import DraftModel, build_draft_model, save_drafter
+from drafter_worker.checkpoint import DraftModel, build_draft_model, load_drafter, save_drafter
 from drafter_worker.config import DrafterConfig, Method
 from services.loader import native_bf16
 from services.model import CausalLM
 from training.anchors import block_labels, sample_anchors
-from training.drafter_losses import decay_weights, dflash_loss, dspark_loss, soft_ce_loss, step_weights
+from training.drafter_losses import decay_weights, dflash_loss, dspark_loss, soft_ce_loss, standin_loss, step_weights
 from training.early_stop import EarlyStop, expected_accepted
 from training.schedule import warmup_cosine
 from training.state import resume_state, save_state
@@ -45,6 +45,8 @@ class DrafterTrainConfig:
     seed: int = 42
     patience: int = 0  # evaluations without a better held-out acceptance before stopping; 0: run every step
     autocast: bool | None = None  # bf16 autocast of the training steps; None: where the device has native bf16
+    standin_weight: float = 0.0  # block drafters: weight of the stand-in term (drafting ahead, drafter_losses)
+    init_from: Path | None = None  # an exported drafter to start from (a fine-tune) instead of fresh weights
 
 
 @dataclass(slots=True)
@@ -79,8 +81,10 @@ def make_batch(cache: TargetCache, indices: list[int], anchors: int, gamma: int,
                  torch.cat(anchor_list).to(device), torch.cat(labels).to(device), torch.cat(masks).to(device))
 
 
-def forward_loss(model: DraftModel, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The method's loss on one batch, and its terms (incl. per-slot acceptance 1 − ½‖p_d − p_t‖₁ [A, γ])."""
+def forward_loss(model: DraftModel, batch: Batch, standin_weight: float = 0.0
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The method's loss on one batch, and its terms (incl. per-slot acceptance 1 − ½‖p_d − p_t‖₁ [A, γ]);
+    block drafters add `standin_weight` × the stand-in term."""
     dcfg: DrafterConfig = model.dconfig
     gamma = dcfg.block_size
     rows = (batch.anchors[:, None] + torch.arange(gamma, device=batch.ids.device)).clamp(max=batch.ids.shape[1] - 1)
@@ -88,15 +92,21 @@ def forward_loss(model: DraftModel, batch: Batch) -> tuple[torch.Tensor, dict[st
     if dcfg.method.is_block:
         b, s = batch.ids.shape
         positions = torch.arange(s, device=batch.ids.device).expand(b, s)
-        kv = model.context_kv(batch.taps, positions)  # per layer [B, Hkv, S, Dh]
+        ctx = model.context(batch.taps)  # [B, S, d]
+        kv = model.rows_kv(ctx, positions)  # per layer [B, Hkv, S, Dh]
         anchor_tokens = batch.ids[batch.seq, batch.anchors]
         h = model.backbone_packed(anchor_tokens, batch.anchors, batch.seq, kv, gamma)  # [A, γ, d]
         prev = torch.cat([anchor_tokens[:, None], batch.labels[:, :-1]], dim=1)  # teacher forcing [A, γ]
         logits, conf = model.teacher_forced(h, prev)
         weights = decay_weights(batch.eval_mask)
         if dcfg.method is Method.DFLASH:
-            return dflash_loss(logits, target_logits, batch.labels, weights)
-        return dspark_loss(logits, target_logits, batch.labels, weights, conf)
+            loss, terms = dflash_loss(logits, target_logits, batch.labels, weights)
+        else:
+            loss, terms = dspark_loss(logits, target_logits, batch.labels, weights, conf)
+        if standin_weight:
+            terms["standin"] = standin_loss(h, ctx[batch.seq[:, None], rows], batch.eval_mask)
+            loss = loss + standin_weight * terms["standin"]
+        return loss, terms
     picked = model.unrolled_at(batch.taps, batch.ids, batch.seq, batch.anchors, gamma)  # [A, γ, d] row a−1+k of step k
     return soft_ce_loss(model.logits(picked), target_logits, step_weights(batch.eval_mask))
 
@@ -105,6 +115,8 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
           log=print) -> Path:
     torch.manual_seed(cfg.seed)
     model = build_draft_model(dcfg, target).float().train()
+    if cfg.init_from is not None:
+        model.load_state_dict(load_drafter(cfg.init_from, target, "float32")[0].state_dict())
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     step, elapsed = resume_state(cfg.run_dir, model, opt)
@@ -127,7 +139,7 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
             indices = torch.randint(len(cache), (cfg.batch_sequences,), generator=gen).tolist()
             batch = make_batch(cache, indices, cfg.anchors_per_sequence, dcfg.block_size, gen, device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                loss, terms = forward_loss(model, batch)
+                loss, terms = forward_loss(model, batch, cfg.standin_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -149,7 +161,8 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
     if best is not None:
         log(f"exporting the weights of step {best} (held-out expected accepted {keeper.best:.3f})")
     out = save_drafter(model, cfg.out_dir)
-    (out / "training_log.jsonl").write_text((cfg.run_dir / "log.jsonl").read_text())
+    if (cfg.run_dir / "log.jsonl").is_file():  # a run of 0 steps exports its starting weights, with no log
+        (out / "training_log.jsonl").write_text((cfg.run_dir / "log.jsonl").read_text())
     return out
 
 

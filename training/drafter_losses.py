@@ -7,6 +7,8 @@ eval_mask[a, k] marks the contiguous valid prefix of block a. Each term is Σ w�
   dspark  0.1·CE(p_d, x*) + 0.9·‖p_d − p_t‖₁ + 1.0·BCE(z, 1 − ½‖p_d − p_t‖₁),  w = exp(−k/4)
   dflash  CE(p_d, x*),                                                         w = exp(−k/4)
   eagle3  soft CE −Σ p_t log p_d (the target distribution as label),            w = 0.8^k
+  stand-in (optional, block drafters, `--standin-weight`): Σ_k m·‖h_k − c_k‖² / ‖c_k‖², h_k the backbone's
+    state at position anchor + k and c_k the context row the target's features give that position
 1 − ½‖p_d − p_t‖₁ is the probability that a draft from p_d survives verification against p_t at T = 1,
 which is why it is both the distillation target (as L1) and the confidence label.
 """
@@ -57,6 +59,19 @@ def dspark_loss(
         terms["conf"] = _wmean(bce, weights)
     loss = mix[0] * terms["ce"] + mix[1] * terms["l1"] + mix[2] * terms.get("conf", 0.0)
     return loss, {**terms, "accept": accept.detach()}
+
+
+def standin_loss(
+    h: torch.Tensor,  # [A, γ, d] the block's states, slot k at position anchor + k
+    ctx: torch.Tensor,  # [A, γ, d] the context rows of the same positions, from the target's features
+    mask: torch.Tensor,  # [A, γ] slots whose position exists
+) -> torch.Tensor:
+    """How far the block's own states are from the context rows they stand in for when the drafter drafts ahead
+    (`drafter_worker/predraft.py` projects h_0..h_ℓ to context keys and values before the target has seen those
+    positions): the squared error relative to the context row, so the term is scale-free. Both sides get
+    gradients, so the context projection may also move towards states the backbone can produce."""
+    err = (h.float() - ctx.float()).pow(2).sum(-1) / ctx.float().pow(2).sum(-1).clamp_min(1e-6)  # [A, γ]
+    return _wmean(err, mask.float())
 
 
 def dflash_loss(draft_logits, target_logits, labels, weights) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
