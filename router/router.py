@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from opentelemetry import trace
 
+from router.ahead_notice import ahead_notice
 from router.metrics import RouterMetrics
 from router.scheduling.planner import CycleRecord, Decision, VerifyPlanner
 from router.scheduling.policy import Policy, max_verify_len
@@ -176,7 +177,7 @@ class Router:
             decision = None
             if block:
                 block, decision = self._schedule(s, block, bound)
-            ahead = self._ahead_notice(s, block, decision)
+            ahead = ahead_notice(self.drafter, s, block, decision) if s.drafter_ok else None
             with self.tracer.start_as_current_span("verify") as vspan:
                 sent = time.perf_counter()
                 done = await self._verify(s, block)
@@ -215,23 +216,6 @@ class Router:
                           "dspark.planned_batch_tokens": d.plan.batch_tokens, "dspark.load_source": source}
             span.set_attributes(attrs)
         return block.head(d.verify_len), d
-
-    def _ahead_notice(self, s: Session, block: DraftBlock | None, decision: Decision | None) -> asyncio.Task | None:
-        """Requests with `ahead`: tell the drafter which cut of its block is being verified, with the acceptance
-        the router has measured for it (its fan-out across ℓ follows that), beside the verify call, so that it
-        drafts the next block for the block's likeliest outcomes meanwhile (a replica with a speculation cache,
-        docs/design.md §7). The task is awaited after the verification, so the next draft request follows the
-        notice on the stream."""
-        if not s.spec.ahead or not block or not s.drafter_ok:
-            return None
-        accept = decision.accept[: len(block)] if decision is not None else []
-        return asyncio.create_task(self._send_ahead(s, len(block), accept if len(accept) == len(block) else None))
-
-    async def _send_ahead(self, s: Session, verify_len: int, accept: list[float] | None) -> None:
-        try:
-            await self.drafter.ahead(s.request.request_id, s.cycle, verify_len, accept)
-        except Exception as error:  # the next draft request finds out whether the drafter is still there
-            log.debug("ahead notice for %s not sent: %s", s.request.request_id, error)
 
     # ---- drafter ------------------------------------------------------------------------------
     async def _open_drafter(self, s: Session) -> None:

@@ -1,0 +1,35 @@
+"""The ahead notice: while a block is verified, tell the drafter which cut of it is being verified.
+
+For requests with `speculative.ahead` (docs/design.md §7.1): the notice carries the verify length and the
+acceptance the router has measured for the block's drafts (ĉ_k of §6; the drafter's fan-out across ℓ follows
+it), so a replica with a speculation cache drafts the next block for the block's likeliest outcomes meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from router.scheduling.planner import Decision
+from router.session import Session
+from router.tiers.protocol import DrafterTier
+from services.types import DraftBlock
+
+log = logging.getLogger(__name__)
+
+
+def ahead_notice(drafter: DrafterTier, s: Session, block: DraftBlock | None,
+                 decision: Decision | None) -> asyncio.Task | None:
+    """The notice as a task started beside the verify call, or None when the request does not draft ahead this
+    cycle. The caller awaits it after the verification, so the next draft request follows it on the stream."""
+    if not s.spec.ahead or not block:
+        return None
+    accept = decision.accept[: len(block)] if decision is not None else []
+    return asyncio.create_task(_send(drafter, s, len(block), accept if len(accept) == len(block) else None))
+
+
+async def _send(drafter: DrafterTier, s: Session, verify_len: int, accept: list[float] | None) -> None:
+    try:
+        await drafter.ahead(s.request.request_id, s.cycle, verify_len, accept)
+    except Exception as error:  # the next draft request finds out whether the drafter is still there
+        log.debug("ahead notice for %s not sent: %s", s.request.request_id, error)
