@@ -11,7 +11,9 @@ the drafts accepted per cycle of cached blocks against all cycles (from the rout
 
 `--in-process`: the cache's quality alone, without timing: 12 eval prompts (4 per domain), the in-process
 router drafting and drafting ahead in turn, against the same drafter without the cache (τ, hit rate, drafts
-accepted per cycle of cached blocks and of the freshly drafted ones).
+accepted per cycle of cached blocks and of the freshly drafted ones). `--steer TOP,FACTOR` adds Saguaro
+sampling (`drafter_worker/speculation.py: Steering`): across the tiers on the drafter replica, in process as a
+third arm beside fresh and ahead.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ async def one_round(addresses, tok, method: str, c: int, ahead: bool, args, tag:
             "accepted": accepted, "ahead_accepted": ahead_accepted}
 
 
-def in_process(method: str, temperature: float, budget: int, gamma: int, max_tokens: int) -> dict:
+def in_process(method: str, temperature: float, budget: int, gamma: int, max_tokens: int,
+               steering=None) -> dict:
     import torch
 
     from drafter_worker.ahead import RunAhead
@@ -85,18 +88,22 @@ def in_process(method: str, temperature: float, budget: int, gamma: int, max_tok
     requests = [GenerationRequest(f"r{i}", ids, SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i))
                 for i, ids in enumerate(prompts)]
     row = {"method": method, "temperature": temperature, "budget": budget}
-    for name, proposer in (("fresh", Drafter(model, calibration)), ("ahead", RunAhead(Drafter(model, calibration),
-                                                                                      budget))):
+    arms = [("fresh", Drafter(model, calibration)), ("ahead", RunAhead(Drafter(model, calibration), budget))]
+    if steering is not None:
+        arms.append(("steered", RunAhead(Drafter(model, calibration), budget, steering)))
+    for name, proposer in arms:
         engine = Engine(target, EngineConfig(num_slots=4, max_len=400))
         results = LocalRouter(engine, proposer, Policy.FIXED, 1 if method == "mtp" else gamma).generate(requests)
         cycles, accepted = sum(r.cycles for r in results), sum(r.accepted_tokens for r in results)
         row[f"tau_{name}"] = round(sum(r.cycle_tokens for r in results) / cycles, 3)
-        if name == "ahead":
+        if name != "fresh":
             stats, hit_cycles = proposer.cache.stats, sum(r.ahead_cycles for r in results)
             hit_accepted = sum(r.ahead_accepted for r in results)
-            row |= {"hit_rate": round(stats.hits / max(1, stats.hits + stats.misses), 3),
-                    "accepted_per_cached_cycle": round(hit_accepted / max(1, hit_cycles), 3),
-                    "accepted_per_missed_cycle": round((accepted - hit_accepted) / max(1, cycles - hit_cycles), 3)}
+            tag = "" if name == "ahead" else f"_{name}"
+            row |= {f"hit_rate{tag}": round(stats.hits / max(1, stats.hits + stats.misses), 3),
+                    f"accepted_per_cached_cycle{tag}": round(hit_accepted / max(1, hit_cycles), 3),
+                    f"accepted_per_missed_cycle{tag}": round((accepted - hit_accepted) / max(1, cycles - hit_cycles),
+                                                             3)}
         else:
             row["accepted_per_cycle_fresh"] = round(accepted / cycles, 3)
     return row
@@ -113,10 +120,15 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=24)
     p.add_argument("--json")
     p.add_argument("--in-process", action="store_true", help="hit rate and acceptance only (no tiers, no timing)")
+    p.add_argument("--steer", help="TOP,FACTOR: Saguaro sampling of the drafts of requests that draft ahead")
     args = p.parse_args()
     methods = args.methods.split(",")
+    top, factor = (int(args.steer.split(",")[0]), float(args.steer.split(",")[1])) if args.steer else (0, 0.5)
     if args.in_process:
-        rows = [in_process(m, args.temperature, args.budget, args.gamma, args.max_tokens) for m in methods]
+        from drafter_worker.speculation import Steering
+
+        steering = Steering(top, factor) if top else None
+        rows = [in_process(m, args.temperature, args.budget, args.gamma, args.max_tokens, steering) for m in methods]
         for row in rows:
             print(json.dumps(row), flush=True)
         if args.json:
@@ -125,7 +137,7 @@ def main() -> None:
     drafters = [f"{TARGET}-{m}" for m in methods]
     verifier = start_tier("verifier", VerifierSettings(dtype="float32", port=0, threads=1, num_slots=8, max_len=512))
     drafter = start_tier("drafter", DrafterSettings(dtype="float32", port=0, threads=1, drafters=drafters,
-                                                    ahead_budget=args.budget))
+                                                    ahead_budget=args.budget, steer_top=top, steer_factor=factor))
     tok = TextTokenizer.from_dir(resolve_model(TARGET))
     rows = []
     try:

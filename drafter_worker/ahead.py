@@ -15,16 +15,19 @@ import torch
 
 from drafter_worker.drafter import Drafter
 from drafter_worker.predraft import predraft
-from drafter_worker.speculation import Speculation, SpeculationCache
+from drafter_worker.speculation import Speculation, SpeculationCache, Steering
 from services.types import DraftBlock, SamplingParams
 
 
 class RunAhead:
-    def __init__(self, drafter: Drafter, budget: int):
-        """`budget`: blocks pre-drafted per request and cycle (served: `DrafterSettings.ahead_budget`)."""
+    def __init__(self, drafter: Drafter, budget: int, steering: Steering | None = None):
+        """`budget`: blocks pre-drafted per request and cycle (served: `DrafterSettings.ahead_budget`);
+        `steering`: Saguaro sampling of the drafts of requests that draft ahead (served: `steer_top`,
+        `steer_factor`)."""
         if budget < 1:
             raise ValueError(f"the speculation budget must be at least 1, got {budget}")
         self.drafter, self.budget = drafter, budget
+        drafter.steering = steering
         self.cache = SpeculationCache()
 
     @property
@@ -37,6 +40,7 @@ class RunAhead:
 
     def release(self, request_id: str) -> None:
         self.drafter.release(request_id)
+        self.drafter.steered.discard(request_id)
         self.cache.drop(request_id)
 
     def propose(self, contexts: dict[str, list[int]], gamma: int,
@@ -68,6 +72,7 @@ class RunAhead:
             if survival is not None:  # else nothing to estimate the outcome from
                 work[rid] = (tokens, list(block.tokens), survival, params.get(rid, SamplingParams()))
                 self.cache.store(rid, Speculation(len(tokens), list(block.tokens), {}))
+                self.drafter.steered.add(rid)  # it drafts ahead: its drafts from now on are steered
         for piece in predraft(self.drafter, work, gamma, self.budget, chunk):
             for rid, blocks in piece.items():
                 self.cache.add(rid, blocks)

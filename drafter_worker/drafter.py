@@ -7,7 +7,8 @@ dropped after each cycle, so a rejected draft leaves nothing behind.
 
 Draft tokens are sampled at each request's own temperature / top-k / top-p from the truncated
 distribution q'_k (top `max_q` ids, renormalised), which is sent with the block: the verifier's
-rejection rule is exact for any q. Greedy requests draft the argmax and send no q.
+rejection rule is exact for any q. Greedy requests draft the argmax and send no q. Requests in `steered` (they
+draft ahead, `ahead.py`) draw from q' steered by `steering` (Saguaro sampling, `speculation.Steering`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from drafter_worker.block_model import BlockDraftModel
 from drafter_worker.calibration import Calibration
 from drafter_worker.chain_model import ChainDraftModel
 from drafter_worker.proposer import StatelessProposer
+from drafter_worker.speculation import Steering
 from services.sampling import logits_to_probs, truncate_to_sparse
 from services.types import DraftBlock, SamplingParams
 
@@ -54,6 +56,8 @@ class Drafter(StatelessProposer):
                 self._greedy_block = torch.compile(model.draft_greedy, dynamic=True, fullgraph=True)
         self.generator = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
         self._contexts: dict[str, _Context] = {}
+        self.steering: Steering | None = None
+        self.steered: set[str] = set()  # requests whose sampled drafts are steered
 
     @property
     def device(self) -> torch.device:
@@ -97,9 +101,10 @@ class Drafter(StatelessProposer):
         for rid in ready:
             self.fold(rid, contexts[rid])
         kv, mask = self.padded_context(ready)
-        tokens, q, conf, peaks = self.draft_block(anchors, anchor_pos, kv, mask, sampling, gamma) if self.block \
-            else self.draft_chain(torch.stack([self.last_out(rid) for rid in ready]), anchor_pos, kv, mask,
-                                  sampling, gamma)
+        steer = [rid in self.steered for rid in ready]
+        tokens, q, conf, peaks = self.draft_block(anchors, anchor_pos, kv, mask, sampling, gamma, steer) \
+            if self.block else self.draft_chain(torch.stack([self.last_out(rid) for rid in ready]), anchor_pos, kv,
+                                                mask, sampling, gamma, steer)
         for i, rid in enumerate(ready):
             q_ids, q_probs = (None, None) if q[i] is None else q[i]
             out[rid] = DraftBlock(tokens=tokens[i], q_ids=q_ids, q_probs=q_probs,
@@ -153,7 +158,7 @@ class Drafter(StatelessProposer):
             layers.append((torch.stack(ks), torch.stack(vs)))
         return layers, mask
 
-    def draft_block(self, anchors, anchor_pos, kv, mask, sampling, gamma):
+    def draft_block(self, anchors, anchor_pos, kv, mask, sampling, gamma, steer=None):
         model = self.model
         if all(p.greedy for p in sampling):
             tokens, peaks, z = self._greedy_block(anchors, anchor_pos, kv, mask, gamma)  # [R, γ] each
@@ -164,14 +169,14 @@ class Drafter(StatelessProposer):
             logits, z, state = model.head_step(base[:, k], h[:, k], prev, state)
             if z is not None:
                 conf_logits.append(z)  # [R]
-            prev, draft = self._sample(logits, sampling)
+            prev, draft = self._sample(logits, sampling, steer)
             steps.append(draft)
         return self._collect(steps, conf_logits)
 
-    def draft_chain(self, hidden, anchor_pos, kv, mask, sampling, gamma):
+    def draft_chain(self, hidden, anchor_pos, kv, mask, sampling, gamma, steer=None):
         """Chain models: hidden [R, d] the output of each context's last row (it predicts x_1)."""
         model = self.model
-        prev, draft = self._sample(model.logits(hidden).float(), sampling)
+        prev, draft = self._sample(model.logits(hidden).float(), sampling, steer)
         steps = [draft]
         (ctx_k, ctx_v), = kv
         keys, values = ctx_k, ctx_v  # grow by one draft row per step
@@ -181,12 +186,13 @@ class Drafter(StatelessProposer):
             keys, values = torch.cat([keys, kk], 2), torch.cat([values, vv], 2)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)  # [R, S + k]
             hidden = model.finish(residual, q, keys, values, mask[:, None, None])[:, 0]  # [R, d]
-            prev, draft = self._sample(model.logits(hidden).float(), sampling)
+            prev, draft = self._sample(model.logits(hidden).float(), sampling, steer)
             steps.append(draft)
         return self._collect(steps, [])
 
-    def _sample(self, logits: torch.Tensor, sampling: list[SamplingParams]):
-        """logits [R, V] fp32 → next tokens [R] and per request (token, q ids [K] and probs [K] or None, peak).
+    def _sample(self, logits: torch.Tensor, sampling: list[SamplingParams], steer: list[bool] | None = None):
+        """logits [R, V] fp32 → next tokens [R] and per request (token, q ids [K] and probs [K] or None, peak);
+        rows with `steer` set draw from (and report) the steered q'.
 
         The peak max_v q(v) is taken before the token is drawn: the router's acceptance estimate for
         drafters without a confidence head, which must not depend on the token itself.
@@ -199,10 +205,13 @@ class Drafter(StatelessProposer):
         top_p = torch.tensor([p.top_p for p in sampling], device=logits.device)
         probs = logits_to_probs(logits, temps, top_k, top_p)  # [R, V]
         ids, q = truncate_to_sparse(probs, self.max_q)  # [R, K]
+        peak_q = q[:, 0]  # q is sorted: column 0 is the max (the signal is the unsteered peak)
+        if self.steering is not None and steer and any(steer):
+            q = self.steering.apply(q, torch.tensor(steer, device=q.device))
         pick = torch.multinomial(q, 1, generator=self.generator)  # [R, 1]
         tokens = torch.where(temps == 0, logits.argmax(-1), ids.gather(-1, pick)[:, 0])
         greedy_peak = logits.softmax(-1).amax(-1)  # [R] T = 1 peak for greedy rows (their probs are one-hot)
-        peak = torch.where(temps == 0, greedy_peak, q[:, 0])  # q is sorted: column 0 is the max
+        peak = torch.where(temps == 0, greedy_peak, peak_q)
         draft = [(int(t), None, float(c)) if p.greedy else (int(t), (ids[i], q[i]), float(c))
                  for i, (t, p, c) in enumerate(zip(tokens, sampling, peak, strict=True))]
         return tokens, draft

@@ -14,6 +14,7 @@ from drafter_worker.drafter import Drafter
 from drafter_worker.server import DrafterServicer
 from drafter_worker.service import DrafterService
 from drafter_worker.settings import DrafterSettings
+from drafter_worker.speculation import Steering
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import GrpcServer
 from protos.tier import RunningTier, open_board, role_tracer, set_threads, start_publisher
@@ -45,7 +46,8 @@ def drafter_service(s: DrafterSettings) -> DrafterService:
         model, calibration = load_drafter(name, target, s.dtype, device, s.drafter_format,
                                           s.eagle_aux_layer_convention)
         drafter = Drafter(model, calibration, s.max_q, s.seed, s.compile)
-        proposers[method] = RunAhead(drafter, s.ahead_budget) if s.ahead_budget else drafter
+        steering = Steering(s.steer_top, s.steer_factor) if s.steer_top else None
+        proposers[method] = RunAhead(drafter, s.ahead_budget, steering) if s.ahead_budget else drafter
         block_sizes[method] = cfg.block_size
     order = sorted(proposers, key=lambda m: m != "dspark")  # dspark first: the default method
     return DrafterService({m: proposers[m] for m in order}, block_sizes, s.batch_window_ms / 1000, lease_s=s.lease_s)

@@ -72,7 +72,8 @@ def _block(drafter: Drafter, rids: list[str], sent: Sent, gamma: int, budget: in
         seen = torch.arange(ext_mask.shape[1], device=dev)[None] < ext_mask.shape[1] - width + accepted[:, None] + 1
         return drafter.draft_block(torch.tensor([outcomes[i].token for i in picked], device=dev),
                                    start[rows] + 1 + accepted, [(k[rows], v[rows]) for k, v in ext],
-                                   ext_mask[rows] & seen, [sent[rids[owner[i]]][3] for i in picked], gamma)
+                                   ext_mask[rows] & seen, [sent[rids[owner[i]]][3] for i in picked], gamma,
+                                   _steer(drafter, rids, owner, picked))
 
     return owner, outcomes, draft
 
@@ -108,9 +109,15 @@ def _chain(drafter: Drafter, rids: list[str], sent: Sent, gamma: int, budget: in
         full_mask = torch.cat([base_mask, torch.ones_like(base_mask[:, :1])], 1)  # [n, S + W]
         last = model.finish(residual, q, k_n, v_n, full_mask[:, None, None])[:, 0]  # [n, d] predicts the next x_1
         return drafter.draft_chain(last, start[rows] + 1 + accepted, [(k_n, v_n)], full_mask,
-                                   [sent[rids[owner[i]]][3] for i in picked], gamma)
+                                   [sent[rids[owner[i]]][3] for i in picked], gamma,
+                                   _steer(drafter, rids, owner, picked))
 
     return owner, outcomes, draft
+
+
+def _steer(drafter: Drafter, rids: list[str], owner: list[int], picked: list[int]) -> list[bool]:
+    """Whether each pre-drafted block's drafts are steered (they are verified like any block of the request)."""
+    return [rids[owner[i]] in drafter.steered for i in picked]
 
 
 def _teacher(rids: list[str], sent: Sent, width: int, dev: torch.device) -> torch.Tensor:

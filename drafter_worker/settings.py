@@ -27,6 +27,10 @@ class DrafterSettings(GrpcServerSettings):
     ahead_budget: int = Field(2, ge=0, le=256, description="draft ahead for requests that ask (speculative.ahead): "
                               "blocks pre-drafted per request while its block is verified, for its likeliest "
                               "outcomes (0: no cache; SSD's runs on GPUs use 20–30; 2 broke even on 2 vCPUs)")
+    steer_top: int = Field(0, ge=0, le=64, description="Saguaro sampling of requests that draft ahead: scale the "
+                           "top this many tokens of each sampled draft's q by steer_factor, so a rejection's "
+                           "recovered token falls on a pre-drafted outcome more often (0: off; exact either way)")
+    steer_factor: float = Field(0.5, gt=0, le=1, description="the scale of steer_top (SSD's C)")
     lease_s: float = Field(60.0, gt=0, description="free a draft context no stream has carried for this long")
     batch_window_ms: float = Field(5.0, ge=0, description="how long a propose waits for the rest of its sessions")
     redis_url: str | None = Field(None, description="publish load to this Redis")

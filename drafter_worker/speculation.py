@@ -27,6 +27,29 @@ from services.types import DraftBlock
 
 
 @dataclass(frozen=True, slots=True)
+class Steering:
+    """Saguaro sampling (SSD): a drafter steered this way draws each draft of a request that drafts ahead from
+    q' = q with its `top` likeliest tokens scaled by `factor` ∈ (0, 1), renormalised. When the draft is rejected,
+    the recovered token follows norm(max(0, p − q')), which then puts its mass on those top tokens, the ones
+    `likely_outcomes` pre-drafts for; the price is a little acceptance. The verifier gets q', the distribution
+    the draft was drawn from, so exactness is unchanged."""
+
+    top: int
+    factor: float
+
+    def __post_init__(self) -> None:
+        if self.top < 1 or not 0.0 < self.factor <= 1.0:
+            raise ValueError(f"steering needs top ≥ 1 and a factor in (0, 1], got {self.top}, {self.factor}")
+
+    def apply(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """q [R, K] sorted descending (a truncated draft distribution), rows [R] bool: the rows to steer → q'."""
+        scale = torch.ones_like(q)
+        scale[:, : self.top] = torch.where(rows[:, None], self.factor, 1.0)
+        steered = q * scale
+        return steered / steered.sum(-1, keepdim=True)
+
+
+@dataclass(frozen=True, slots=True)
 class Outcome:
     accepted: int  # ℓ: drafts accepted
     token: int  # v: the token the target emitted after them

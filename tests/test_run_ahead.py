@@ -10,7 +10,7 @@ import torch
 from drafter_worker.ahead import RunAhead
 from drafter_worker.drafter import Drafter
 from drafter_worker.service import DrafterService
-from drafter_worker.speculation import Outcome, Speculation, SpeculationCache, likely_outcomes, outcome_of
+from drafter_worker.speculation import Outcome, Speculation, SpeculationCache, Steering, likely_outcomes, outcome_of
 from router.offline import GenerationRequest, LocalRouter
 from router.scheduling.policy import Policy
 from services.types import DraftBlock, SamplingParams
@@ -75,11 +75,13 @@ def test_greedy_with_the_drafter_ahead_equals_plain(target, method):
 
 
 @pytest.mark.slow
-def test_sampling_with_the_drafter_ahead_keeps_the_target_distribution():
-    """χ² of the 2nd and 3rd tokens with cached blocks verified against the q they were drawn from."""
+@pytest.mark.parametrize("steering", [None, Steering(2, 0.3)], ids=["plain", "steered"])
+def test_sampling_with_the_drafter_ahead_keeps_the_target_distribution(steering):
+    """χ² of the 2nd and 3rd tokens with cached blocks verified against the q they were drawn from (with
+    Saguaro sampling: the steered q')."""
     model = make_model(vocab=VOCAB, layers=1, hidden=32, seed=5, taps=(0,))
     torch.manual_seed(0)
-    ahead = RunAhead(Drafter(draft_model_for(model)), budget=8)
+    ahead = RunAhead(Drafter(draft_model_for(model)), budget=8, steering=steering)
     n = 2500
     requests = [GenerationRequest(f"r{i}", PROMPT, SamplingParams(max_tokens=4, seed=i, **PARAMS)) for i in range(n)]
     router = LocalRouter(make_engine(model, num_slots=64, max_len=16, max_batch_tokens=512, max_waiting=4096),
@@ -145,3 +147,24 @@ def test_the_fan_out_follows_the_acceptance_the_router_sends():
         return proposer.seen
 
     assert asyncio.run(run()) == [[0.9, 0.4], None]
+
+
+def test_steering_scales_the_top_tokens_of_the_rows_that_draft_ahead():
+    q = torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]])
+    out = Steering(top=1, factor=0.5).apply(q, torch.tensor([True, False]))
+    assert torch.allclose(out[0], torch.tensor([0.25, 0.3, 0.2]) / 0.75) and torch.equal(out[1], q[1])
+    with pytest.raises(ValueError):
+        Steering(top=0, factor=0.5)
+
+
+def test_steered_drafts_report_the_q_they_were_drawn_from():
+    """A request that drafts ahead gets drafts from q' (top token scaled down); the block carries q'."""
+    model = make_model(vocab=VOCAB, layers=1, hidden=32, seed=5, taps=(0,))
+    drafter = Drafter(draft_model_for(model))
+    drafter.steering, drafter.steered = Steering(1, 0.25), {"s"}
+    logits = torch.randn(1, VOCAB).expand(2, -1)  # the same distribution in both rows
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0)]
+    _, draft = drafter._sample(logits, params, [True, False])
+    (_, (_, steered), _), (_, (_, plain), _) = draft
+    assert steered[0] < plain[0] and torch.allclose(steered.sum(), torch.tensor(1.0))
+    assert torch.allclose(steered[1:] / steered[1:].sum(), plain[1:] / plain[1:].sum())
