@@ -12,10 +12,12 @@ without drafting, e.g. while the drafter was unreachable); anything else is stal
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from drafter_worker.ahead_window import AheadWindow
 from services.errors import InvalidRequestError, StaleCycleError
 from services.lease import Lease
 from services.tier_loop import TierLoop
@@ -49,6 +51,7 @@ class _Session:
     features: int  # positions with features: always len(tokens) − 1 between messages
     lease: Lease = field(default_factory=Lease)  # Draft streams attached; freed once none has for lease_s
     last: tuple[DraftBlock, int] | None = None  # the block answered this cycle and its γ (to draft ahead of)
+    notice_at: float | None = None  # monotonic time of the ahead notice the next draft request follows
 
 
 @dataclass(slots=True)
@@ -72,6 +75,7 @@ class DrafterService(TierLoop):
         self._sessions: dict[str, _Session] = {}
         self._queue: list[_Queued] = []
         self._ahead: list[tuple[str, DraftBlock, int]] = []  # (request, block as sent to verification, γ)
+        self.window = AheadWindow()  # the budget of drafting ahead, sized to the verify window
 
     def _on_stop(self, reason: BaseException) -> None:
         for item in self._queue:
@@ -110,6 +114,9 @@ class DrafterService(TierLoop):
             if cycle <= session.cycle:
                 raise StaleCycleError(f"request {request_id!r}: cycle {cycle} is stale (last {session.cycle})")
             self._check_delta(session, new_ids, feature_start, features)
+            if session.notice_at is not None:
+                self.window.observe_window(time.monotonic() - session.notice_at)
+                session.notice_at = None
             self.proposers[session.method].commit(request_id, feature_start, features)
             session.tokens.extend(new_ids)
             session.features += 0 if features is None else len(features)
@@ -134,7 +141,7 @@ class DrafterService(TierLoop):
             if session is None or session.cycle != cycle or session.last is None:
                 return
             block, gamma = session.last
-            session.last = None
+            session.last, session.notice_at = None, time.monotonic()
             if not hasattr(self.proposers[session.method], "speculation"):
                 return
             block = block.head(verify_len)
@@ -216,14 +223,20 @@ class DrafterService(TierLoop):
 
     async def _run_ahead(self, jobs: list[tuple[str, DraftBlock, int]]) -> None:
         """Draft ahead piece by piece (not timed as draft steps), the lock taken per piece, and stop as soon as a
-        draft request waits: drafting ahead must never delay drafting."""
+        draft request waits or the next piece would not fit in the verify window (`ahead_window.py`): drafting
+        ahead must never delay drafting."""
         loop = asyncio.get_running_loop()
+        notices = [s.notice_at for s in (self._sessions.get(rid) for rid, *_ in jobs) if s and s.notice_at]
+        started, done = self.window.start(min(notices, default=None)), 0
         for pieces in self._speculations(jobs):
-            while not self._queue:
+            while not self._queue and self.window.fits(started, done):
                 async with self._lock:
+                    t0 = time.monotonic()
                     if await loop.run_in_executor(self._compute, next, pieces, StopIteration) is StopIteration:
                         break
-            if self._queue:
+                    self.window.observe_piece(time.monotonic() - t0)
+                    done += 1
+            if self._queue or not self.window.fits(started, done):
                 return
 
     def _speculations(self, jobs: list[tuple[str, DraftBlock, int]]):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from drafter_worker.ahead import RunAhead
+from drafter_worker.ahead_window import AheadWindow
 from drafter_worker.drafter import Drafter
 from drafter_worker.service import DrafterService
 from drafter_worker.speculation import Outcome, Speculation, SpeculationCache, Steering, likely_outcomes, outcome_of
@@ -168,3 +169,14 @@ def test_steered_drafts_report_the_q_they_were_drawn_from():
     (_, (_, steered), _), (_, (_, plain), _) = draft
     assert steered[0] < plain[0] and torch.allclose(steered.sum(), torch.tensor(1.0))
     assert torch.allclose(steered[1:] / steered[1:].sum(), plain[1:] / plain[1:].sum())
+
+
+def test_drafting_ahead_starts_a_piece_only_while_it_fits_in_the_verify_window():
+    window = AheadWindow(probe_every=4)
+    assert window.fits(0.0, 0, now=5.0)  # nothing measured: draft and measure
+    window.observe_window(0.010)  # verification: 10 ms from the notice to the next draft request
+    window.observe_piece(0.004)  # a piece: 4 ms
+    assert window.fits(0.0, 1, now=0.004) and not window.fits(0.0, 2, now=0.008)  # 8 + 4 > 10 ms
+    window.observe_piece(0.100)  # pieces got dear (a busy machine): no piece fits, a probe now and then
+    probes = [window.fits(window.start(0.0), 0, now=0.0) for _ in range(8)]
+    assert probes == [False, False, False, True] * 2
