@@ -53,12 +53,19 @@ soak: $(BIN)/dspark
 bench-overload: $(BIN)/dspark
 	$(BIN)/python benchmarks/overload.py --out benchmarks/results/overload-cpu.json
 
-# docs/results/serving.md: the SPS profile, `dspark bench` on embedded defaults (every arm, closed loop c = 1..8, then
-# open loop at 0.5..2 requests/s with the T = 1 distribution gate), then `dspark simulate` calibrated on the closed
-# loop (validation, 1..1000 verifiers, drafter : verifier ratio). About 35 min.
+# docs/results/serving.md: the SPS profile, `dspark bench` with drafter and verifier pinned to a core each
+# (benchmarks/configs/serving-pinned.yaml; every arm, closed loop c = 1..8, greedy and T = 1), plain decoding
+# again with both cores, then open loop at 0.5..2 requests/s with the T = 1 distribution gate, then
+# `dspark simulate` calibrated on the closed loop (validation, 1..1000 verifiers, drafter : verifier ratio).
+# About 60 min.
 results-serving: $(BIN)/dspark
 	OMP_NUM_THREADS=1 $(BIN)/dspark profile --model $(MODEL) --threads 1 --context 256 --json > benchmarks/results/sps-cpu.json
-	$(BIN)/dspark bench --concurrency 1,2,4,8 --requests 16 --max-tokens 64 --out-dir benchmarks/results/serving-cpu
+	$(BIN)/dspark bench --config benchmarks/configs/serving-pinned.yaml --concurrency 1,2,4,8 --requests 16 \
+		--max-tokens 64 --out-dir benchmarks/results/serving-cpu
+	$(BIN)/dspark bench --config benchmarks/configs/serving-pinned.yaml --concurrency 1,2,4,8 --requests 16 \
+		--max-tokens 64 --temperature 1 --out-dir benchmarks/results/serving-cpu-t1
+	$(BIN)/dspark bench --config benchmarks/configs/plain-two-cores.yaml --arms none --concurrency 1,2,4,8 \
+		--requests 16 --max-tokens 64 --out-dir benchmarks/results/serving-cpu-plain-2cores
 	$(BIN)/dspark bench --concurrency "" --rates 0.5,1,2 --requests 16 --max-tokens 64 --dist-samples 100 \
 		--out-dir benchmarks/results/serving-cpu-open
 	$(BIN)/dspark simulate --bench benchmarks/results/serving-cpu/results.json --profile benchmarks/results/sps-cpu.json \

@@ -128,7 +128,7 @@ def _sharded(s: VerifierSettings, rank: int, world: int, address: str, driver: b
     from verifier_worker.main import load_target
     from verifier_worker.tensor_parallel import TensorParallelDriver, init_group, shard_model
 
-    set_threads(s.threads)
+    set_threads(s.threads, s.cpus)
     groups = init_group(rank, world, address, IDLE_TIMEOUT)
     model = shard_model(load_target(s), rank, world, groups.compute)
     return TensorParallelDriver(model, groups.meta) if driver else (model, groups)

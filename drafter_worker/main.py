@@ -54,7 +54,7 @@ def drafter_service(s: DrafterSettings) -> DrafterService:
 
 
 async def start_drafter(s: DrafterSettings) -> RunningTier:
-    set_threads(s.threads)
+    set_threads(s.threads, s.cpus)
     tls, board = read_tls(s.tls), open_board(s.redis_url)
     tracer = role_tracer("dspark-drafter", s)
     compute = compute_thread()  # every torch call of this tier on one thread (services/batching.py)

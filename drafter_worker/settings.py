@@ -16,7 +16,8 @@ class DrafterSettings(GrpcServerSettings):
     port: int = Field(50052, ge=0, le=65535)
     dtype: str = "auto"
     device: str = "auto"
-    threads: int = Field(0, ge=0)
+    threads: int = Field(0, ge=0, description="torch CPU threads (0: torch's default, or one per pinned CPU)")
+    cpus: list[int] | None = Field(None, description="pin the process to these CPU ids (like taskset; none: all)")
     drafter_format: Literal["auto", "dspark", "deepspec", "eagle3", "dflash"] = Field(
         "auto", description="checkpoint format of the drafters (auto: from each config.json)")
     eagle_aux_layer_convention: Literal["auto", "output", "input"] = Field(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -24,7 +25,16 @@ from services.tracing import setup_tracing
 log = logging.getLogger(__name__)
 
 
-def set_threads(n: int) -> None:
+def set_threads(n: int, cpus: list[int] | None = None) -> None:
+    """torch's CPU threads (0: its default) and, with `cpus`, this process pinned to those CPU ids (as `taskset`
+    would; threads default to one per pinned CPU), so two tiers on one host do not take each other's cores."""
+    if cpus:
+        available = os.sched_getaffinity(0)
+        if not set(cpus) <= available:
+            raise DsparkError(f"cpus {sorted(set(cpus) - available)} are not available to this process "
+                              f"(available: {sorted(available)})")
+        os.sched_setaffinity(0, cpus)
+        n = n or len(set(cpus))
     if n:
         torch.set_num_threads(n)
 

@@ -22,6 +22,13 @@ def test_the_shipped_example_parses():
     assert settings.router.policy == "dspark" and len(settings.drafter.drafters) == 4
 
 
+def test_the_benchmark_configs_parse_and_pin_the_tiers_apart():
+    pinned = load(ServeSettings, EXAMPLE.parents[1] / "benchmarks" / "configs" / "serving-pinned.yaml", {})
+    assert pinned.verifier.cpus == [0] and pinned.drafter.cpus == [1]
+    both = load(ServeSettings, EXAMPLE.parents[1] / "benchmarks" / "configs" / "plain-two-cores.yaml", {})
+    assert both.verifier.cpus == [0, 1] and both.verifier.threads == 2
+
+
 def test_flags_beat_the_file_and_the_file_beats_defaults(tmp_path):
     path = tmp_path / "v.yaml"
     path.write_text("num_slots: 3\nmax_len: 300\n")
@@ -70,3 +77,23 @@ def test_pool_bounds_and_unsharded_drafters_are_enforced():
         load(ServeSettings, None, {"pools": {"drafter": {"tensor_parallel": 2}}})
     with pytest.raises(InvalidRequestError, match="Extra inputs"):
         load(ServeSettings, None, {"autoscaler": {"enable": True}})
+
+
+def test_a_tier_pinned_to_cpus_takes_those_and_one_thread_each():
+    """`cpus` pins the process (as taskset would) and sets one torch thread per pinned CPU; a CPU this process
+    cannot have is refused by id. Run in a child process so the test process keeps its cores."""
+    import os
+    import subprocess
+    import sys
+
+    first = min(os.sched_getaffinity(0))
+    code = (f"import os, torch; from protos.tier import set_threads; set_threads(0, [{first}]); "
+            "print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == [f"[{first}]", "1"]
+    from protos.tier import set_threads
+    from services.errors import DsparkError
+
+    with pytest.raises(DsparkError, match="cpus \\[100000\\] are not available"):
+        set_threads(0, [100000])
+    assert VerifierSettings(cpus=[first]).cpus == [first]

@@ -44,7 +44,7 @@ def verifier_service(s: VerifierSettings, model=None) -> VerifierService:
 
 async def start_verifier(s: VerifierSettings, model=None) -> RunningTier:
     """Load (or take) the target, profile SPS(B), serve dspark.v1.Verifier. `model`: e.g. a TP driver."""
-    set_threads(s.threads)
+    set_threads(s.threads, s.cpus)
     tls, board = read_tls(s.tls), open_board(s.redis_url)  # before the model loads: bad certificates or credentials
     tracer = role_tracer("dspark-verifier", s)
     compute, loop = compute_thread(), asyncio.get_running_loop()  # every torch call of this tier on one thread

@@ -13,7 +13,8 @@ class VerifierSettings(GrpcServerSettings):
     port: int = Field(50051, ge=0, le=65535, description="0: any free port")
     dtype: str = "auto"
     device: str = "auto"
-    threads: int = Field(0, ge=0, description="torch CPU threads (0: torch's default)")
+    threads: int = Field(0, ge=0, description="torch CPU threads (0: torch's default, or one per pinned CPU)")
+    cpus: list[int] | None = Field(None, description="pin the process to these CPU ids (like taskset; none: all)")
     num_slots: int = Field(16, ge=1, description="concurrent requests holding KV")
     max_len: int = Field(1024, ge=8, description="positions per KV slot")
     max_batch_tokens: int = Field(256, ge=1, description="prefill token budget per engine step")
