@@ -184,3 +184,18 @@ def test_stand_in_fine_tune_starts_from_the_export_and_closes_the_gap(caches):
     first, last = log[0]["standin"], sum(r["standin"] for r in log[-5:]) / 5
     assert last < 0.7 * first
     assert "standin" not in json.loads((root / "run-base" / "log.jsonl").read_text().splitlines()[0])
+
+
+def test_mtp_unrolled_two_steps_trains_on_its_own_output_and_still_serves_one(caches):
+    """`unroll`: MTP-1 trained over two training-time-test steps (the second reads its own output, as a block
+    drafted ahead does); validation and the export keep its block of one. Block drafters refuse it."""
+    target, _, cache, val, root = caches
+    dcfg = default_config("mtp", "tiny", TAPS, VOCAB - 1)
+    cfg = DrafterTrainConfig(run_dir=root / "run-mtp2", out_dir=root / "out-mtp2", steps=2, batch_sequences=2,
+                             anchors_per_sequence=4, eval_every=2, unroll=2)
+    train(dcfg, target, cache, val, cfg, log=lambda _: None)
+    log = [json.loads(line) for line in (root / "run-mtp2" / "log.jsonl").read_text().splitlines()]
+    assert len(log[-1]["val"]["accept@k"]) == 1 and all(math.isfinite(r["loss"]) for r in log)
+    assert load_drafter(root / "out-mtp2", target, "float32")[0].dconfig.block_size == 1
+    with pytest.raises(ValueError, match="chain drafters"):
+        train(default_config("dflash", "tiny", TAPS, VOCAB - 1), target, cache, val, cfg, log=lambda _: None)

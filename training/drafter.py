@@ -47,6 +47,8 @@ class DrafterTrainConfig:
     autocast: bool | None = None  # bf16 autocast of the training steps; None: where the device has native bf16
     standin_weight: float = 0.0  # block drafters: weight of the stand-in term (drafting ahead, drafter_losses)
     init_from: Path | None = None  # an exported drafter to start from (a fine-tune) instead of fresh weights
+    unroll: int = 0  # chain drafters: training-time-test steps (0: the block size); MTP-1 drafts one token but
+    # drafting ahead runs it on its own output as context (drafter_worker/predraft.py), which a second step trains
 
 
 @dataclass(slots=True)
@@ -84,9 +86,10 @@ def make_batch(cache: TargetCache, indices: list[int], anchors: int, gamma: int,
 def forward_loss(model: DraftModel, batch: Batch, standin_weight: float = 0.0
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The method's loss on one batch, and its terms (incl. per-slot acceptance 1 − ½‖p_d − p_t‖₁ [A, γ]);
-    block drafters add `standin_weight` × the stand-in term."""
+    block drafters add `standin_weight` × the stand-in term. γ is the batch's (chain drafters may unroll past
+    their block size)."""
     dcfg: DrafterConfig = model.dconfig
-    gamma = dcfg.block_size
+    gamma = batch.labels.shape[1]
     rows = (batch.anchors[:, None] + torch.arange(gamma, device=batch.ids.device)).clamp(max=batch.ids.shape[1] - 1)
     target_logits = model.lm_head(batch.hidden[batch.seq[:, None], rows])  # [A, γ, V]
     if dcfg.method.is_block:
@@ -113,6 +116,9 @@ def forward_loss(model: DraftModel, batch: Batch, standin_weight: float = 0.0
 
 def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: TargetCache, cfg: DrafterTrainConfig,
           log=print) -> Path:
+    if cfg.unroll and dcfg.method.is_block:
+        raise ValueError(f"unroll is for chain drafters; a {dcfg.method} block has its size fixed")
+    steps_per_anchor = cfg.unroll or dcfg.block_size
     torch.manual_seed(cfg.seed)
     model = build_draft_model(dcfg, target).float().train()
     if cfg.init_from is not None:
@@ -137,7 +143,7 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
                 group["lr"] = warmup_cosine(step, cfg.steps, warmup, cfg.lr, floor_ratio=0.0)
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # batch of step n is fixed: resumable
             indices = torch.randint(len(cache), (cfg.batch_sequences,), generator=gen).tolist()
-            batch = make_batch(cache, indices, cfg.anchors_per_sequence, dcfg.block_size, gen, device)
+            batch = make_batch(cache, indices, cfg.anchors_per_sequence, steps_per_anchor, gen, device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 loss, terms = forward_loss(model, batch, cfg.standin_weight)
             opt.zero_grad(set_to_none=True)
