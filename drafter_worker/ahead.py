@@ -43,14 +43,20 @@ class RunAhead:
         self.drafter.steered.discard(request_id)
         self.cache.drop(request_id)
 
+    def cached(self, request_id: str, tokens: list[int], gamma: int) -> DraftBlock | None:
+        """The block drafted ahead for the outcome `tokens` show (a hit), else None; either way the request's
+        speculation ends. No compute: the new features fold into the context at the next draft or speculation."""
+        block = self.cache.take(request_id, tokens) if gamma > 0 else None
+        return None if block is None else block.head(gamma)
+
     def propose(self, contexts: dict[str, list[int]], gamma: int,
                 params: dict[str, SamplingParams] | None = None) -> dict[str, DraftBlock]:
         hits = {}
         for rid, tokens in contexts.items():
-            block = self.cache.take(rid, tokens)
-            if block is not None and gamma > 0:
+            block = self.cached(rid, tokens, gamma)
+            if block is not None:
                 self.drafter.fold(rid, tokens)  # the verified features still join the context
-                hits[rid] = block.head(gamma)
+                hits[rid] = block
         fresh = self.drafter.propose({rid: t for rid, t in contexts.items() if rid not in hits}, gamma, params)
         return {**fresh, **hits}
 

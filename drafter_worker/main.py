@@ -50,7 +50,8 @@ def drafter_service(s: DrafterSettings) -> DrafterService:
         proposers[method] = RunAhead(drafter, s.ahead_budget, steering) if s.ahead_budget else drafter
         block_sizes[method] = cfg.block_size
     order = sorted(proposers, key=lambda m: m != "dspark")  # dspark first: the default method
-    return DrafterService({m: proposers[m] for m in order}, block_sizes, s.batch_window_ms / 1000, lease_s=s.lease_s)
+    return DrafterService({m: proposers[m] for m in order}, block_sizes, s.batch_window_ms / 1000, lease_s=s.lease_s,
+                          fallback_queue=s.ahead_fallback_queue)
 
 
 async def start_drafter(s: DrafterSettings) -> RunningTier:

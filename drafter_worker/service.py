@@ -65,7 +65,7 @@ class DrafterService(TierLoop):
     role = "drafter"
 
     def __init__(self, proposers: dict[str, Proposer], block_sizes: dict[str, int], batch_window_s: float = 0.005,
-                 limits: DraftLimits | None = None, lease_s: float = 60.0):
+                 limits: DraftLimits | None = None, lease_s: float = 60.0, fallback_queue: int = 0):
         if not proposers:
             raise ValueError("a drafter replica needs at least one proposer")
         super().__init__(lease_s, batch_window_s)
@@ -76,6 +76,8 @@ class DrafterService(TierLoop):
         self._queue: list[_Queued] = []
         self._ahead: list[tuple[str, DraftBlock, int]] = []  # (request, block as sent to verification, γ)
         self.window = AheadWindow()  # the budget of drafting ahead, sized to the verify window
+        self.fallback_queue = fallback_queue  # > 0: a cache miss with this many drafts waiting gets no drafts
+        self.fallbacks = 0
 
     def _on_stop(self, reason: BaseException) -> None:
         for item in self._queue:
@@ -114,7 +116,8 @@ class DrafterService(TierLoop):
             if cycle <= session.cycle:
                 raise StaleCycleError(f"request {request_id!r}: cycle {cycle} is stale (last {session.cycle})")
             self._check_delta(session, new_ids, feature_start, features)
-            if session.notice_at is not None:
+            noticed = session.notice_at is not None  # drafted ahead for this cycle: a hit or a miss follows
+            if noticed:
                 self.window.observe_window(time.monotonic() - session.notice_at)
                 session.notice_at = None
             self.proposers[session.method].commit(request_id, feature_start, features)
@@ -125,6 +128,9 @@ class DrafterService(TierLoop):
             gamma = self._room(len(session.tokens), gamma)
             if gamma <= 0:
                 return DraftBlock(tokens=[])
+            block = self._without_drafting(session, request_id, gamma, noticed)
+            if block is not None:
+                return block
             item = _Queued(request_id, gamma)
             self._queue.append(item)
         self._wake.set()
@@ -149,6 +155,20 @@ class DrafterService(TierLoop):
                 block = replace(block, confidences=list(accept[: len(block)]))
             self._ahead.append((request_id, block, gamma))
         self._wake.set()
+
+    def _without_drafting(self, session: _Session, request_id: str, gamma: int, noticed: bool) -> DraftBlock | None:
+        """A hit is answered at once, without the batch window or the compute thread; a miss while the replica is
+        saturated (`fallback_queue` drafts waiting) gets an empty block, so the request decodes plainly this
+        cycle instead of waiting (SSD's fallback at large batch). None: draft as usual."""
+        cached = getattr(self.proposers[session.method], "cached", None)
+        block = cached(request_id, session.tokens, gamma) if cached is not None and noticed else None
+        if block is not None:
+            session.last = (block, gamma)
+            return block
+        if noticed and self.fallback_queue and len(self._queue) >= self.fallback_queue:
+            self.fallbacks += 1
+            return DraftBlock(tokens=[])
+        return None
 
     async def release(self, request_id: str) -> bool:
         async with self._lock:

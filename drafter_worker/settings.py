@@ -28,6 +28,9 @@ class DrafterSettings(GrpcServerSettings):
     ahead_budget: int = Field(2, ge=0, le=256, description="draft ahead for requests that ask (speculative.ahead): "
                               "blocks pre-drafted per request while its block is verified, for its likeliest "
                               "outcomes (0: no cache; SSD's runs on GPUs use 20–30; 2 broke even on 2 vCPUs)")
+    ahead_fallback_queue: int = Field(0, ge=0, description="on a speculation-cache miss while at least this many "
+                                      "draft requests wait, answer no drafts (the request decodes plainly this "
+                                      "cycle) instead of queueing it: SSD's fallback at large batch (0: off)")
     steer_top: int = Field(0, ge=0, le=64, description="Saguaro sampling of requests that draft ahead: scale the "
                            "top this many tokens of each sampled draft's q by steer_factor, so a rejection's "
                            "recovered token falls on a pre-drafted outcome more often (0: off; exact either way)")

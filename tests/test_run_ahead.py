@@ -180,3 +180,41 @@ def test_drafting_ahead_starts_a_piece_only_while_it_fits_in_the_verify_window()
     window.observe_piece(0.100)  # pieces got dear (a busy machine): no piece fits, a probe now and then
     probes = [window.fits(window.start(0.0), 0, now=0.0) for _ in range(8)]
     assert probes == [False, False, False, True] * 2
+
+
+class _Cached(RandomProposer):
+    """A proposer whose speculation cache holds what the test puts in `answers`."""
+
+    def __init__(self):
+        super().__init__(96)
+        self.answers: dict[str, DraftBlock] = {}
+
+    def cached(self, request_id, tokens, gamma):
+        block = self.answers.pop(request_id, None)
+        return None if block is None else block.head(gamma)
+
+    def speculation(self, sent, gamma, params):
+        return iter(())
+
+
+def test_a_hit_is_answered_at_once_and_a_saturated_miss_falls_back_to_no_drafts():
+    async def run():
+        proposer = _Cached()
+        service = DrafterService({"random": proposer}, {"random": 4}, fallback_queue=1)
+        await service.start()
+        await service.open("r", [1, 2, 3], torch.zeros(2, 4), SamplingParams())
+        await service.draft("r", 1, [7], 2, torch.zeros(1, 4), 3)
+        await service.ahead("r", 1, 2)
+        proposer.answers["r"] = DraftBlock(tokens=[5, 6, 7, 8], ahead=True)
+        hit = await service.draft("r", 2, [4], 3, torch.zeros(1, 4), 3)
+        await service.ahead("r", 2, 3)  # after the hit: the cut of the cached block goes to verification
+        await service.stop()
+        return hit, service
+
+    hit, service = asyncio.run(run())
+    assert hit.tokens == [5, 6, 7] and hit.ahead  # cut to γ, without a drafter step
+    session = service._sessions["r"]
+    service._queue = [object()]  # one draft request waits: saturated for fallback_queue = 1
+    assert service._without_drafting(session, "r", 3, noticed=True) == DraftBlock(tokens=[])
+    assert service.fallbacks == 1
+    assert service._without_drafting(session, "r", 3, noticed=False) is None  # no notice: draft as usual
