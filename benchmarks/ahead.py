@@ -120,6 +120,7 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=24)
     p.add_argument("--json")
     p.add_argument("--in-process", action="store_true", help="hit rate and acceptance only (no tiers, no timing)")
+    p.add_argument("--pin", action="store_true", help="verifier on CPU 0, drafter on CPU 1 (the router floats)")
     p.add_argument("--steer", help="TOP,FACTOR: Saguaro sampling of the drafts of requests that draft ahead")
     args = p.parse_args()
     methods = args.methods.split(",")
@@ -135,8 +136,10 @@ def main() -> None:
             Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "rows": rows}, indent=1))
         return
     drafters = [f"{TARGET}-{m}" for m in methods]
-    verifier = start_tier("verifier", VerifierSettings(dtype="float32", port=0, threads=1, num_slots=8, max_len=512))
-    drafter = start_tier("drafter", DrafterSettings(dtype="float32", port=0, threads=1, drafters=drafters,
+    pins = ([0], [1]) if args.pin else (None, None)
+    verifier = start_tier("verifier", VerifierSettings(dtype="float32", port=0, threads=1, num_slots=8, max_len=512,
+                                                       cpus=pins[0]))
+    drafter = start_tier("drafter", DrafterSettings(dtype="float32", port=0, threads=1, drafters=drafters, cpus=pins[1],
                                                     ahead_budget=args.budget, steer_top=top, steer_factor=factor))
     tok = TextTokenizer.from_dir(resolve_model(TARGET))
     rows = []
@@ -156,7 +159,8 @@ def main() -> None:
     finally:
         verifier.stop()
         drafter.stop()
-    report = {"cpu": cpu_model(), "temperature": args.temperature, "gamma": args.gamma, "budget": args.budget,
+    report = {"cpu": cpu_model(), "pinned": args.pin, "temperature": args.temperature, "gamma": args.gamma,
+              "budget": args.budget,
               "max_tokens": args.max_tokens, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
