@@ -124,7 +124,8 @@ def main() -> None:
     p.add_argument("--steer", help="TOP,FACTOR: Saguaro sampling of the drafts of requests that draft ahead")
     args = p.parse_args()
     methods = args.methods.split(",")
-    top, factor = (int(args.steer.split(",")[0]), float(args.steer.split(",")[1])) if args.steer else (0, 0.5)
+    top, factor = args.steer.split(",") if args.steer else (0, 0.5)
+    top, factor = int(top), float(factor)
     if args.in_process:
         from drafter_worker.speculation import Steering
 

@@ -24,8 +24,8 @@ def ahead_notice(drafter: DrafterTier, s: Session, block: DraftBlock | None,
     cycle. The caller awaits it after the verification, so the next draft request follows it on the stream."""
     if not s.spec.ahead or not block:
         return None
-    accept = decision.accept[: len(block)] if decision is not None else []
-    return asyncio.create_task(_send(drafter, s, len(block), accept if len(accept) == len(block) else None))
+    accept = decision.accept[: len(block)] if decision is not None else None  # the block is its first ℓ drafts
+    return asyncio.create_task(_send(drafter, s, len(block), accept))
 
 
 async def _send(drafter: DrafterTier, s: Session, verify_len: int, accept: list[float] | None) -> None:

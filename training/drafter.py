@@ -121,7 +121,7 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
     steps_per_anchor = cfg.unroll or dcfg.block_size
     torch.manual_seed(cfg.seed)
     model = build_draft_model(dcfg, target).float().train()
-    if cfg.init_from is not None:
+    if cfg.init_from is not None and not (cfg.run_dir / "state.pt").is_file():  # a resume has its own weights
         model.load_state_dict(load_drafter(cfg.init_from, target, "float32")[0].state_dict())
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)

@@ -13,7 +13,7 @@ another replica moves budgets. No Ray, no gRPC, no Redis.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from router.scheduling.acceptance import AcceptanceModel
 from router.scheduling.board_view import BoardView
@@ -44,9 +44,13 @@ class Decision:
     verify_len: int  # ℓ
     drafted: int  # block length before trimming (already capped by γ and the token budget)
     signals: list[float | None]  # [drafted] what the drafter sent for each position
-    survivals: list[float]  # [drafted] a_1..a_drafted from the acceptance estimates
+    accept: list[float]  # [drafted] ĉ_k: the acceptance estimates of each position
     plan: Plan | None  # the budget in force (policy dspark)
-    accept: list[float] = field(default_factory=list)  # [drafted] ĉ_k: the estimates a_k multiplies up
+
+    @property
+    def survivals(self) -> list[float]:
+        """[drafted] a_k = Π_{i≤k} ĉ_i."""
+        return survival(self.accept)
 
 
 class VerifyPlanner:
@@ -137,4 +141,4 @@ class VerifyPlanner:
         elif policy is Policy.DSPARK:
             engine, budget = self.budget(request_id)
             length, plan = budget.trim(request_id, a, self.view(engine, budget), tokens_needed)
-        return Decision(length, len(block), signals, a, plan, list(accept))
+        return Decision(length, len(block), signals, list(accept), plan)
