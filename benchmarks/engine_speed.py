@@ -37,8 +37,19 @@ from verifier_worker.kv_cache import KVCache
 from verifier_worker.profile import time_forward
 
 DATASETS = Path(__file__).parent / "datasets"
-DRAFTERS = {"mtp1": "dspark-target-mtp", "eagle3": "dspark-target-eagle3", "dflash": "dspark-target-dflash",
-            "dspark": "dspark-target-dspark"}
+SUFFIXES = {"mtp1": "mtp", "eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark"}  # arm → drafter dir suffix
+DRAFTERS = {arm: f"dspark-target-{suffix}" for arm, suffix in SUFFIXES.items()}  # the shipped target's drafters
+
+
+def drafter_dirs(spec: str, model: str) -> dict[str, Path]:
+    """`--drafters`: a comma list of arms (`dspark`: the shipped `<model>-dspark`) or `arm=directory`."""
+    dirs = {}
+    for item in filter(None, spec.split(",")):
+        name, _, path = item.partition("=")
+        if name not in SUFFIXES:
+            raise SystemExit(f"--drafters: unknown arm {name!r} (one of {', '.join(SUFFIXES)})")
+        dirs[name] = Path(path) if path else resolve_model(f"{model}-{SUFFIXES[name]}")
+    return dirs
 
 
 def cpu_model() -> str:
@@ -66,6 +77,33 @@ def generate_tps(engine: Engine, proposer, policy: Policy, gamma: int, ids: list
     return total / (time.perf_counter() - started)
 
 
+class TimedProposer:
+    """A drafter with the wall time of its calls (`propose`: a block; `commit`: folding features) summed, so a
+    run can say what a block costs against a target step."""
+
+    def __init__(self, drafter: Drafter):
+        self.drafter, self.blocks, self.propose_s, self.commit_s = drafter, 0, 0.0, 0.0
+
+    def propose(self, contexts, gamma, params):
+        started = time.perf_counter()
+        blocks = self.drafter.propose(contexts, gamma, params)
+        self.propose_s += time.perf_counter() - started
+        self.blocks += len(blocks)
+        return blocks
+
+    def commit(self, request_id, feature_start, features):
+        started = time.perf_counter()
+        self.drafter.commit(request_id, feature_start, features)
+        self.commit_s += time.perf_counter() - started
+
+    def release(self, request_id):
+        self.drafter.release(request_id)
+
+    def per_block_ms(self) -> dict[str, float]:
+        n = max(1, self.blocks)
+        return {"propose_ms": round(1000 * self.propose_s / n, 3), "commit_ms": round(1000 * self.commit_s / n, 3)}
+
+
 def forward_curve(engine: Engine, sizes: list[int], rounds: int) -> dict[int, float]:
     model = engine.forward
     cache = KVCache(model.config, 2, 256 + max(sizes), model.dtype, model.device)
@@ -87,14 +125,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--gamma", type=int, default=7)
     p.add_argument("--modes", default="eager,compiled")
-    p.add_argument("--drafters", default=",".join(DRAFTERS), help="comma list of shipped drafters ('' for none)")
+    p.add_argument("--drafters", default=",".join(DRAFTERS),
+                   help="comma list of arms (the model's shipped drafters) or arm=directory ('' for none)")
     p.add_argument("--json")
     args = p.parse_args()
     modes = args.modes.split(",")
     model_dir = resolve_model(args.model)
     tok = TextTokenizer.from_dir(model_dir)
     ids = prompts(tok, args.prompts)
-    taps = {m: drafter_config(resolve_model(DRAFTERS[m])).tap_layers for m in filter(None, args.drafters.split(","))}
+    dirs = drafter_dirs(args.drafters, args.model)
+    taps = {m: drafter_config(d).tap_layers for m, d in dirs.items()}
     all_taps = tuple(sorted({t for ts in taps.values() for t in ts}))
     model = load_model(model_dir, args.dtype, tap_layers=all_taps)
     meta = {"cpu": cpu_model(), "native_bf16": native_bf16(torch.device("cpu")), "threads": torch.get_num_threads(),
@@ -120,11 +160,13 @@ def main() -> None:
               f"forward(8)/forward(1) {curve[8] / curve[1]:.2f}; forward(n) ms {results['forward_ms'][mode]}",
               flush=True)
     for name in taps:
-        draft_model, calibration = load_drafter(DRAFTERS[name], model, args.dtype)
+        draft_model, calibration = load_drafter(dirs[name], model, args.dtype)
         for mode in modes:
             drafter = Drafter(draft_model, calibration, compile=mode == "compiled")
             gamma = 1 if name == "mtp1" else args.gamma
             generate_tps(engines[mode], drafter, Policy.FIXED, gamma, ids[:1], 16, 1)  # warm-up (and compile)
+            timed = TimedProposer(drafter)
+            generate_tps(engines[mode], timed, Policy.FIXED, gamma, ids, args.tokens, 1)
             plain_tps, spec_tps = [], []
             for _ in range(args.rounds):  # alternating, so a slow spell of the VM hits both alike
                 plain_tps.append(generate_tps(engines[mode], None, Policy.NONE, 0, ids, args.tokens, 1))
@@ -132,9 +174,13 @@ def main() -> None:
             base, tps = statistics.median(plain_tps), statistics.median(spec_tps)
             results["speculative"].setdefault(name, {})[mode] = {"tokens_per_s": round(tps, 1),
                                                                  "plain_tokens_per_s": round(base, 1),
-                                                                 "x_plain": round(tps / base, 2)}
-            print(f"{name} {mode}: {tps:.1f} tok/s against plain {base:.1f} in the same rounds = {tps / base:.2f} x",
-                  flush=True)
+                                                                 "x_plain": round(tps / base, 2),
+                                                                 **timed.per_block_ms()}
+            step_ms = results["forward_ms"][mode][1]
+            block_x = timed.per_block_ms()["propose_ms"] / step_ms
+            results["speculative"][name][mode]["block_x_step"] = round(block_x, 2)
+            print(f"{name} {mode}: {tps:.1f} tok/s against plain {base:.1f} in the same rounds = {tps / base:.2f} x; "
+                  f"a block {timed.per_block_ms()} = {block_x:.2f} x a target forward(1)", flush=True)
     if len(modes) > 1:
         results["compiled_x_eager"] = {b: round(results["plain"]["compiled"][b] / results["plain"]["eager"][b], 2)
                                        for b in (1, 8)}

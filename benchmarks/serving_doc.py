@@ -1,9 +1,10 @@
-"""docs/results/serving.md from a `dspark bench` run and a `dspark simulate` run (`make results-serving`).
+"""docs/results/serving.md from the `dspark bench` runs and a `dspark simulate` run (`make results-serving`).
 
-Both runs write a Markdown summary beside their PNGs; this puts the two summaries under one heading
+The runs write a Markdown summary beside their PNGs; this puts the two summaries under one heading
 each, copies the figures to docs/results/serving/ and points the image links there.
 
-    python benchmarks/serving_doc.py [--bench DIR] [--simulate DIR] [--out docs/results/serving.md]
+    python benchmarks/serving_doc.py [--bench DIR] [--t1 DIR] [--plain-2cores DIR] [--open DIR] [--simulate DIR]
+        [--out docs/results/serving.md]
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def section(run_dir: Path, summary: str, title: str, figures: Path, prefix: str)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bench", type=Path, default=ROOT / "benchmarks/results/serving-cpu")
+    ap.add_argument("--t1", type=Path, default=ROOT / "benchmarks/results/serving-cpu-t1",
+                    help="the same closed loop at T = 1")
+    ap.add_argument("--plain-2cores", type=Path, default=ROOT / "benchmarks/results/serving-cpu-plain-2cores",
+                    help="plain decoding with the verifier on both cores")
     ap.add_argument("--open", type=Path, default=ROOT / "benchmarks/results/serving-cpu-open",
                     help="the open-loop run (Poisson arrivals) with the sampled distribution gate")
     ap.add_argument("--simulate", type=Path, default=ROOT / "benchmarks/results/simulate")
@@ -41,7 +46,13 @@ def main() -> None:
              "(local Ray, one verifier and one drafter replica, the shipped models), then `dspark simulate` "
              "calibrated on the closed-loop run. Raw results: `benchmarks/results/serving-cpu*/results.json`, "
              "`benchmarks/results/simulate/simulate.json`.", "",
-             section(a.bench, "summary.md", "Measured: `dspark bench`, closed loop, greedy", figures, "bench")]
+             section(a.bench, "summary.md", "Measured: `dspark bench`, closed loop, greedy (drafter and verifier on a "
+                     "core each)", figures, "bench")]
+    if (a.t1 / "summary.md").is_file():
+        parts += ["", section(a.t1, "summary.md", "Measured: `dspark bench`, closed loop, T = 1", figures, "t1")]
+    if (a.plain_2cores / "summary.md").is_file():
+        parts += ["", section(a.plain_2cores, "summary.md", "Measured: plain decoding on both cores (`none`, "
+                              "verifier with 2 threads)", figures, "plain2")]
     if (a.open / "summary.md").is_file():
         parts += ["", section(a.open, "summary.md", "Measured: `dspark bench`, open loop (Poisson), greedy, with "
                               "the sampled (T = 1) distribution gate", figures, "open")]

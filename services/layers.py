@@ -17,6 +17,7 @@ from torch import nn
 
 from services.attention import AttentionPlan, attend
 from services.model_config import ModelConfig
+from services.packed_linear import linear, pack
 from services.rope import apply_rotary
 
 
@@ -61,6 +62,7 @@ class Attention(nn.Module):
         # Buffers, not parameters: outside the checkpoint, yet constants a compiled step can pre-pack.
         self.register_buffer("qkv_weight", None, persistent=False)  # [(H + 2 Hkv) Dh, d] once fused (`fuse`)
         self.register_buffer("qkv_bias", None, persistent=False)
+        self.qkv_packed = None  # qkv_weight packed for oneDNN (services/packed_linear.py, CPU serving)
 
     def fuse(self) -> None:
         """One [q; k; v] weight for the step forward, the three projections' weights becoming views of it, so
@@ -69,13 +71,19 @@ class Attention(nn.Module):
         self.qkv_weight = _fuse(projs, "weight")
         self.qkv_bias = None if self.q_proj.bias is None else _fuse(projs, "bias")
 
+    def pack_fused(self) -> int:
+        """Pack the fused weight (services/packed_linear.py) → 1 if packed."""
+        if self.qkv_weight is not None:
+            self.qkv_packed = pack(self.qkv_weight)
+        return int(self.qkv_packed is not None)
+
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [..., d] → q [..., H, Dh], k, v [..., Hkv, Dh], before qk-norm and rotary."""
         lead = x.shape[:-1]
         if self.qkv_weight is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
+            q, k, v = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed).split(
                 (self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim), dim=-1)
         q = q.view(*lead, self.n_heads, self.head_dim)
         k = k.view(*lead, self.n_kv, self.head_dim)
@@ -134,6 +142,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
         self.register_buffer("gate_up_weight", None, persistent=False)  # [2F, d] once fused: gate rows, up rows
         self.register_buffer("gate_up_bias", None, persistent=False)
+        self.gate_up_packed = None
 
     def fuse(self) -> None:
         """One [gate; up] weight (see `Attention.fuse`)."""
@@ -141,10 +150,15 @@ class MLP(nn.Module):
         self.gate_up_weight = _fuse(projs, "weight")
         self.gate_up_bias = None if self.gate_proj.bias is None else _fuse(projs, "bias")
 
+    def pack_fused(self) -> int:
+        if self.gate_up_weight is not None:
+            self.gate_up_packed = pack(self.gate_up_weight)
+        return int(self.gate_up_packed is not None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        gate, up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

@@ -11,6 +11,7 @@ from services.attention import AttentionPlan
 from services.gemma import decoder_layer, dense_window_mask, final_norm, scale_embeddings, softcap
 from services.layers import RaggedLayout
 from services.model_config import ModelConfig
+from services.packed_linear import pack_linears
 from services.rope import RotaryTable
 
 
@@ -129,11 +130,13 @@ class CausalLM(nn.Module):
         features = torch.cat(taps, dim=-1) if taps else None  # [N, T*d]
         return logits, features
 
-    def fuse_projections(self) -> None:
-        """Fuse q/k/v and gate/up into one GEMM each for serving (names and checkpoints unchanged)."""
+    def prepare_for_serving(self) -> None:
+        """Fuse q/k/v and gate/up into one GEMM each and, on the CPU, pack every linear for oneDNN
+        (services/packed_linear.py); names and checkpoints unchanged. Idempotent."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        pack_linears(self)
 
     def forward_dense(self, input_ids: torch.Tensor) -> ForwardOutput:
         """Whole sequences without a cache, input_ids [B, T] → logits [B, T, V] (model dtype, or the autocast

@@ -61,7 +61,7 @@ def test_compiled_forward_agrees_with_eager_in_fp32(buckets):
     """Also with the sizes padded to the power-of-two buckets CUDA graphs replay (rows, blocks, keys, logit rows
     of 23 → 32, 3 → 4, 64 → 64, ...): the padding adds nothing and drops nothing."""
     model = make_model(taps=(1,))
-    model.fuse_projections()
+    model.prepare_for_serving()
     step = CompiledStep(model, max_len=128 if buckets else 64, num_slots=3, buckets=buckets)
     cfg = model.config
     shape = (cfg.num_hidden_layers, 3, cfg.num_key_value_heads, 128 if buckets else 64, cfg.head_dim)

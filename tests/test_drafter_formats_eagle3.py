@@ -153,7 +153,9 @@ def test_eagle3_chain_matches_the_reference(tmp_path, target, norm_before_residu
     tokens, peaks = reference_chain(tensors, target.model.embed_tokens.weight.detach(), taps, ids,
                                     norm_before_residual)
     assert block.tokens == tokens and all(t in (torch.arange(VD) + tensors["d2t"]).tolist() for t in tokens)
-    torch.testing.assert_close(torch.tensor(block.peaks), torch.tensor(peaks), atol=1e-5, rtol=1e-5)
+    # the drafter's GEMMs are oneDNN's on packed weights (services/packed_linear.py), the reference's MKL's:
+    # the same sums in another order, through STEPS chained steps
+    torch.testing.assert_close(torch.tensor(block.peaks), torch.tensor(peaks), atol=1e-4, rtol=1e-4)
 
 
 def test_the_reference_tells_the_target_rope_apart(tmp_path, target):

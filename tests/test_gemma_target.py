@@ -180,7 +180,7 @@ def test_compiled_step_agrees_with_eager(gemma):
     """The windowed mask is cut inside the graph: one warmed graph serves prefill chunks, verifies and decodes."""
     _, path, _ = gemma
     model = load_model(path, dtype="float32", tap_layers=(2,))
-    model.fuse_projections()
+    model.prepare_for_serving()
     step = CompiledStep(model, max_len=64, num_slots=3)
     graphs = counters["stats"]["unique_graphs"]
     cfg = model.config

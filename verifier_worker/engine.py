@@ -53,7 +53,7 @@ class Engine:
         cfg = model.config
         max_len = min(self.config.max_len, cfg.max_context)
         self.cache = KVCache(cfg, self.config.num_slots, max_len, model.dtype, model.device)
-        fuse = getattr(model, "fuse_projections", None)
+        fuse = getattr(model, "prepare_for_serving", None)
         if fuse is not None:
             fuse()
         self._forward = model  # what a step calls: the model, or its compiled step

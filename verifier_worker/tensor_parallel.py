@@ -143,8 +143,8 @@ class TensorParallelDriver:
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
-    def fuse_projections(self) -> None:
-        self.model.fuse_projections()
+    def prepare_for_serving(self) -> None:
+        self.model.prepare_for_serving()
 
     @property
     def device(self) -> torch.device:
@@ -190,7 +190,7 @@ def follow(model: CausalLM, group) -> None:
     The caches are zeros of this rank's KV heads, allocated the first time a shape is named (like
     `KVCache`); nothing else touches them, just as the engine touches rank 0's only through forwards."""
     cfg, dev = model.config, model.device
-    model.fuse_projections()  # as the driver's engine does, so every rank runs the same GEMMs
+    model.prepare_for_serving()  # as the driver's engine does, so every rank runs the same GEMMs
     caches: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     no_rows = torch.empty(0, dtype=torch.long, device=dev)  # [0]: followers want no logits
     with torch.inference_mode():
