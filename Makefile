@@ -13,6 +13,7 @@ $(BIN)/dspark: pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/python -c "from services import cpu_kernels; cpu_kernels.build()"  # the CPU kernels, built once
 	touch $@
 
 install: $(BIN)/dspark

@@ -1,19 +1,22 @@
-"""Linears on weights pre-packed once for oneDNN: the CPU serving path's GEMMs.
+"""How the CPU serving path runs its linears: the project's kernel, or oneDNN on weights packed once.
 
-`F.linear` on the CPU re-lays its weight out for the kernel at every call; for the few rows a decode or
-verify step has that is most of the call (bf16, 2 threads, one row: 384 → 2,048 100 → 34 µs, the LM head
-384 → 8,192 295 → 91 µs). `torch.ops.mkldnn._reorder_linear_weight` does that once, and
-`_linear_pointwise` runs on the packed copy; inductor's `freezing` does the same inside a compiled graph.
+`F.linear` on the CPU re-lays its weight out for oneDNN at every call; for the few rows of a decode or
+verify step that is most of the call. Two faster ways, each giving a row the same bits at any row count
+(the batch invariance greedy speculation relies on; `tests/test_packed_linear.py`):
 
-Why it stays exact: a packed GEMM gives a row the same bits at any row count, in bf16 *and* fp32
-(`tests/test_packed_linear.py`). In bf16 its bits are `F.linear`'s; in fp32 they are not (MKL's, which
-`F.linear` uses there, change a row's bits with the row count), so packing makes fp32 steps batch
-invariant too.
+- the project's kernel (services/cpu_kernels.py), where it serves the dtype (bf16 with AVX512-BF16, fp32 with
+  AVX2): it streams the weight as it is at the memory's speed. Target v2's 65 linears of one token, weights
+  from memory, bf16, 2 threads: 2.6 ms against 5.8 ms packed oneDNN and 7.6 ms `F.linear`;
+- else oneDNN on a copy packed once (`mkldnn._reorder_linear_weight`, run by `_linear_pointwise`; what
+  inductor's `freezing` does inside a compiled graph): 384 → 2,048 at one row, hot cache, 100 → 34 µs.
+  In bf16 its bits are `F.linear`'s; in fp32 MKL's (which `F.linear` uses there) are not batch invariant, the
+  packed GEMM is.
 
-`pack_linears(module)` packs every `nn.Linear` in a model for serving: the module keeps its parameters
+`pack_linears(module)` prepares every `nn.Linear` of a model for serving: the module keeps its parameters
 (names, tied weights and checkpoint loading unchanged) and only its forward changes (its class becomes
-`PackedLinear`). A weight changed after packing is noticed (`PackedWeight.of`) and runs unpacked.
-A compiled step traces `F.linear` instead: its freezing pass packs the weights it holds as constants.
+`PackedLinear`). A weight changed after packing is noticed (`PackedWeight.current`) and runs on `F.linear`.
+A compiled step calls the kernel as an opaque op, or traces `F.linear` where oneDNN serves (its freezing
+pass packs the weights it holds as constants).
 """
 
 from __future__ import annotations
@@ -22,22 +25,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services import cpu_kernels
+
 PACKABLE = (torch.bfloat16, torch.float32)
 
 
 class PackedWeight:
-    """A weight's oneDNN-packed copy, used only while the weight is unchanged (same storage, dtype and
+    """How a weight runs: on the project's kernel (`tensor` None: the weight itself, services/cpu_kernels.py)
+    or on its oneDNN-packed copy `tensor`; used only while the weight is unchanged (same storage, dtype and
     version counter: `.to()`, `load_state_dict` or an in-place update make it stale, and the linear falls
     back to `F.linear`). Not a tensor, so `Module._apply` leaves it alone; a deep copy or pickle of a model
     drops it (the copy packs again where it serves)."""
 
     __slots__ = ("_key", "tensor")
 
-    def __init__(self, tensor: torch.Tensor, weight: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor | None, weight: torch.Tensor):
         self.tensor, self._key = tensor, _key(weight)
 
-    def of(self, weight: torch.Tensor) -> torch.Tensor | None:
-        return self.tensor if _key(weight) == self._key else None
+    @property
+    def kernel(self) -> bool:
+        return self.tensor is None
+
+    def current(self, weight: torch.Tensor) -> bool:
+        return _key(weight) == self._key
 
     def __deepcopy__(self, memo) -> None:
         return None
@@ -56,9 +66,13 @@ def _key(weight: torch.Tensor) -> tuple:
 
 
 def pack(weight: torch.Tensor) -> PackedWeight | None:
-    """weight [out, in] → its oneDNN-packed copy, or None where there is none to make: not a CPU tensor,
-    another dtype, or a build or CPU oneDNN refuses."""
-    if weight.device.type != "cpu" or weight.dtype not in PACKABLE or not torch.backends.mkldnn.is_available():
+    """weight [out, in] → how it runs: the project's kernel where it serves the dtype, else a oneDNN-packed
+    copy, else None (not a CPU tensor, another dtype, or a build or CPU oneDNN refuses)."""
+    if weight.device.type != "cpu" or weight.dtype not in PACKABLE:
+        return None
+    if cpu_kernels.available(weight.dtype) and weight.is_contiguous():
+        return PackedWeight(None, weight)
+    if not torch.backends.mkldnn.is_available():
         return None
     try:
         with torch.inference_mode():
@@ -72,13 +86,18 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None) -> torch.Tensor:
-    """x [..., in] → [..., out]: on `packed` where it is current, else `F.linear`. A compiled graph traces
-    `F.linear`: inductor's freezing packs the weights it holds as constants itself."""
-    if packed is not None and not torch.compiler.is_compiling():
-        current = packed.of(weight)
-        if current is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, current, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    """x [..., in] → [..., out]: as `packed` says where it is current, else `F.linear`. A compiled graph calls
+    the kernel as an opaque op, and traces `F.linear` for a oneDNN weight: inductor's freezing packs the
+    weights it holds as constants itself."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling():
+        return cpu_kernels.linear(x, weight, bias) if packed.kernel else F.linear(x, weight, bias)
+    if not packed.current(weight):
+        return F.linear(x, weight, bias)
+    if packed.kernel:
+        return cpu_kernels.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
 
 
 class PackedLinear(nn.Linear):

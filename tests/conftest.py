@@ -29,6 +29,13 @@ os.environ.setdefault(AUTH_ENV, "token")
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 
+def pytest_sessionstart(session):
+    # The CPU kernels are built (or found in torch's cache) before any test starts a tier process, so no
+    # process start waits for the build (services/cpu_kernels.py).
+    from services import cpu_kernels
+    cpu_kernels.build()
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(1234)

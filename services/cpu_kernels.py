@@ -1,0 +1,73 @@
+"""The project's own CPU kernels (services/kernels/*.cpp), built on first use with torch's C++ extension loader.
+
+`linear` (services/kernels/linear.cpp) is a matrix-vector-shaped GEMM for the few rows of a decode or verify
+step: it streams each weight row once at the memory's speed and gives every output one fixed-order dot
+product, so a row's bits do not depend on the step's other rows. bf16 needs AVX512-BF16, fp32 AVX2 + FMA.
+
+The build (about a minute, once per machine: torch caches it under ~/.cache/torch_extensions) needs a C++
+compiler; without one, or with `DSPARK_CPU_KERNELS=0`, `available` says no and the linears run on oneDNN
+(services/packed_linear.py), which is batch invariant too, only slower at these shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCES = [Path(__file__).parent / "kernels" / "linear.cpp"]
+
+
+def _cpu_supports(dtype: torch.dtype) -> bool:
+    capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
+    if dtype == torch.bfloat16:
+        return torch.cpu._is_avx512_bf16_supported()
+    return dtype == torch.float32 and capability in ("AVX2", "AVX512")
+
+
+@functools.cache
+def _module() -> ModuleType | None:
+    if os.environ.get("DSPARK_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+        return load("dspark_cpu_kernels", [str(s) for s in SOURCES], extra_cflags=["-O3", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, no headers: the oneDNN path serves instead
+        log.warning("CPU kernels unavailable (%s: %s); linears run on oneDNN", type(exc).__name__, exc)
+        return None
+
+
+def build() -> bool:
+    """Build (or find in the cache) the kernels now, so that no tier process pays the build at start-up: the
+    install step and the test session call it. → whether they are there."""
+    return _module() is not None
+
+
+def available(dtype: torch.dtype) -> bool:
+    """Whether `linear` serves this dtype here (the CPU has the instructions and the module builds)."""
+    return _cpu_supports(dtype) and _module() is not None
+
+
+@torch.library.custom_op("dspark::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _module().linear(x, weight, bias)
+
+
+@_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K], weight [N, K], bias [N] or None → [..., N]; call only where `available(x.dtype)`. Under
+    `torch.compile` an opaque custom op (`dspark::linear`)."""
+    rows = x.reshape(-1, x.shape[-1])
+    run = _linear_op if torch.compiler.is_compiling() else _module().linear
+    y = run(rows, weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
