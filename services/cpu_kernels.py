@@ -36,11 +36,22 @@ def _module() -> ModuleType | None:
         return None
     try:
         from torch.utils.cpp_extension import load
+        _put_ninja_on_path()
         return load("dspark_cpu_kernels", [str(s) for s in SOURCES], extra_cflags=["-O3", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no headers: the oneDNN path serves instead
         log.warning("CPU kernels unavailable (%s: %s); linears run on oneDNN", type(exc).__name__, exc)
         return None
+
+
+def _put_ninja_on_path() -> None:
+    """torch's loader runs `ninja` from PATH; the pip package's binary sits in the venv's bin, which a process
+    started as `.venv/bin/python` (make, Ray workers) does not have on its PATH."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
 def build() -> bool:
