@@ -47,7 +47,7 @@ class Drafter(StatelessProposer):
                  max_q: int = 64, seed: int = 0, compile: bool = False):
         self.model, self.calibration, self.max_q = model, calibration, max_q
         self.block = isinstance(model, BlockDraftModel)
-        pack_linears(model)  # oneDNN-packed linears on the CPU (services/packed_linear.py); weights are final here
+        pack_linears(model)  # the CPU serving linears (services/packed_linear.py); the weights are final here
         # Greedy blocks of block models in one call: eager, or one torch.compile graph (dynamic sizes, frozen
         # weights) for the backbone, U and the head's γ sequential steps, compiled at its first block.
         self._greedy_block = None
