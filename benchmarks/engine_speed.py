@@ -5,9 +5,10 @@ greedy, on the eval prompts of benchmarks/datasets:
 
 - plain decoding tokens/s per mode (eager, compiled), rounds alternating between the modes;
 - forward(n) / forward(1) for n = 1..64 new tokens after 256 cached, per mode;
-- each shipped drafter at fixed γ, tokens/s against plain decoding of the same mode in alternating rounds,
-  batch 1 (compiled mode also compiles a block drafter's greedy blocks; one warm-up request pays that
-  compile before timing).
+- each shipped drafter (or `--drafters arm=dir`) at fixed γ, tokens/s against plain decoding of the same mode
+  in alternating rounds, batch 1, greedy or at `--temperature` (seeded), and what its block costs against a
+  target forward(1) (compiled mode also compiles a block drafter's greedy blocks; one warm-up request pays
+  that compile before timing).
 
 Every figure is a ratio against a baseline measured in this run; the JSON also carries the CPU model and
 whether bf16 is native. `python benchmarks/engine_speed.py [--model dspark-target] [--json out.json]`
@@ -68,9 +69,11 @@ def prompts(tokenizer: TextTokenizer, n: int) -> list[list[int]]:
 
 
 def generate_tps(engine: Engine, proposer, policy: Policy, gamma: int, ids: list[list[int]], tokens: int,
-                 batch: int) -> float:
+                 batch: int, temperature: float = 0.0) -> float:
     router = LocalRouter(engine, proposer, policy, gamma)
-    reqs = [GenerationRequest(f"p{i}", p, SamplingParams(max_tokens=tokens)) for i, p in enumerate(ids)]
+    params = [SamplingParams(max_tokens=tokens, temperature=temperature, seed=i if temperature else None)
+              for i in range(len(ids))]
+    reqs = [GenerationRequest(f"p{i}", p, params[i]) for i, p in enumerate(ids)]
     started, total = time.perf_counter(), 0
     for first in range(0, len(reqs), batch):
         total += sum(len(r.token_ids) for r in router.generate(reqs[first : first + batch]))
@@ -125,6 +128,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--gamma", type=int, default=7)
     p.add_argument("--modes", default="eager,compiled")
+    p.add_argument("--temperature", type=float, default=0.0, help="of the speculative arms and their plain rounds")
     p.add_argument("--drafters", default=",".join(DRAFTERS),
                    help="comma list of arms (the model's shipped drafters) or arm=directory ('' for none)")
     p.add_argument("--json")
@@ -166,11 +170,12 @@ def main() -> None:
             gamma = 1 if name == "mtp1" else args.gamma
             generate_tps(engines[mode], drafter, Policy.FIXED, gamma, ids[:1], 16, 1)  # warm-up (and compile)
             timed = TimedProposer(drafter)
-            generate_tps(engines[mode], timed, Policy.FIXED, gamma, ids, args.tokens, 1)
+            generate_tps(engines[mode], timed, Policy.FIXED, gamma, ids, args.tokens, 1, args.temperature)
             plain_tps, spec_tps = [], []
             for _ in range(args.rounds):  # alternating, so a slow spell of the VM hits both alike
-                plain_tps.append(generate_tps(engines[mode], None, Policy.NONE, 0, ids, args.tokens, 1))
-                spec_tps.append(generate_tps(engines[mode], drafter, Policy.FIXED, gamma, ids, args.tokens, 1))
+                t = args.temperature
+                plain_tps.append(generate_tps(engines[mode], None, Policy.NONE, 0, ids, args.tokens, 1, t))
+                spec_tps.append(generate_tps(engines[mode], drafter, Policy.FIXED, gamma, ids, args.tokens, 1, t))
             base, tps = statistics.median(plain_tps), statistics.median(spec_tps)
             results["speculative"].setdefault(name, {})[mode] = {"tokens_per_s": round(tps, 1),
                                                                  "plain_tokens_per_s": round(base, 1),
