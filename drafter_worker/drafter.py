@@ -167,18 +167,20 @@ class Drafter(StatelessProposer):
             return tokens.tolist(), [None] * len(anchors), None if z is None else self._confidences(z), peaks
         h, base, state = model.block_start(anchors, anchor_pos, kv, mask, gamma)
         prev, steps, conf_logits = anchors, [], []
+        knobs = _knobs(sampling, anchors.device)
         for k in range(gamma):
             logits, z, state = model.head_step(base[:, k], h[:, k], prev, state)
             if z is not None:
                 conf_logits.append(z)  # [R]
-            prev, draft = self._sample(logits, sampling, steer)
+            prev, draft = self._sample(logits, sampling, steer, knobs)
             steps.append(draft)
         return self._collect(steps, conf_logits)
 
     def draft_chain(self, hidden, anchor_pos, kv, mask, sampling, gamma, steer=None):
         """Chain models: hidden [R, d] the output of each context's last row (it predicts x_1)."""
         model = self.model
-        prev, draft = self._sample(model.logits(hidden).float(), sampling, steer)
+        knobs = _knobs(sampling, hidden.device)
+        prev, draft = self._sample(model.logits(hidden).float(), sampling, steer, knobs)
         steps = [draft]
         (ctx_k, ctx_v), = kv
         keys, values = ctx_k, ctx_v  # grow by one draft row per step
@@ -188,11 +190,12 @@ class Drafter(StatelessProposer):
             keys, values = torch.cat([keys, kk], 2), torch.cat([values, vv], 2)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)  # [R, S + k]
             hidden = model.finish(residual, q, keys, values, mask[:, None, None])[:, 0]  # [R, d]
-            prev, draft = self._sample(model.logits(hidden).float(), sampling, steer)
+            prev, draft = self._sample(model.logits(hidden).float(), sampling, steer, knobs)
             steps.append(draft)
         return self._collect(steps, [])
 
-    def _sample(self, logits: torch.Tensor, sampling: list[SamplingParams], steer: list[bool] | None = None):
+    def _sample(self, logits: torch.Tensor, sampling: list[SamplingParams], steer: list[bool] | None = None,
+                knobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         """logits [R, V] fp32 → next tokens [R] and per request (token, q ids [K] and probs [K] or None, peak);
         rows with `steer` set draw from (and report) the steered q'.
 
@@ -202,20 +205,20 @@ class Drafter(StatelessProposer):
         if all(p.greedy for p in sampling):  # the argmax is all a greedy block needs: no sort, no q
             peak, tokens = logits.softmax(-1).max(-1)  # [R], [R]
             return tokens, [(int(t), None, float(c)) for t, c in zip(tokens, peak, strict=True)]
-        temps = torch.tensor([p.temperature for p in sampling], device=logits.device)
-        top_k = torch.tensor([p.top_k for p in sampling], device=logits.device)
-        top_p = torch.tensor([p.top_p for p in sampling], device=logits.device)
+        temps, top_k, top_p = knobs if knobs is not None else _knobs(sampling, logits.device)
         probs = logits_to_probs(logits, temps, top_k, top_p)  # [R, V]
         ids, q = truncate_to_sparse(probs, self.max_q)  # [R, K]
         peak_q = q[:, 0]  # q is sorted: column 0 is the max (the signal is the unsteered peak)
         if self.steering is not None and steer and any(steer):
             q = self.steering.apply(q, torch.tensor(steer, device=q.device))
         pick = torch.multinomial(q, 1, generator=self.generator)  # [R, 1]
-        tokens = torch.where(temps == 0, logits.argmax(-1), ids.gather(-1, pick)[:, 0])
-        greedy_peak = logits.softmax(-1).amax(-1)  # [R] T = 1 peak for greedy rows (their probs are one-hot)
-        peak = torch.where(temps == 0, greedy_peak, peak_q)
-        draft = [(int(t), None, float(c)) if p.greedy else (int(t), (ids[i], q[i]), float(c))
-                 for i, (t, p, c) in enumerate(zip(tokens, sampling, peak, strict=True))]
+        tokens, peak = ids.gather(-1, pick)[:, 0], peak_q
+        if any(p.greedy for p in sampling):  # greedy rows beside sampled ones: their argmax and T = 1 peak
+            greedy = temps == 0
+            tokens = torch.where(greedy, logits.argmax(-1), tokens)
+            peak = torch.where(greedy, logits.softmax(-1).amax(-1), peak)  # their probs are one-hot
+        draft = [(t, None, c) if p.greedy else (t, (ids[i], q[i]), c)
+                 for i, (t, p, c) in enumerate(zip(tokens.tolist(), sampling, peak.tolist(), strict=True))]
         return tokens, draft
 
     def _collect(self, steps, conf_logits):
@@ -234,3 +237,10 @@ class Drafter(StatelessProposer):
     def _confidences(self, z: torch.Tensor) -> torch.Tensor:
         """Confidence logits [R, γ] → a_k, calibrated when the checkpoint carries a calibration."""
         return self.calibration.apply(z) if self.calibration is not None else torch.sigmoid(z)
+
+
+def _knobs(sampling: list[SamplingParams], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Temperature, top-k and top-p of each row [R], made once per block rather than at each of its steps."""
+    return (torch.tensor([p.temperature for p in sampling], device=device),
+            torch.tensor([p.top_k for p in sampling], device=device),
+            torch.tensor([p.top_p for p in sampling], device=device))
