@@ -161,8 +161,7 @@ def main() -> None:
         verifier.stop()
         drafter.stop()
     report = {"cpu": cpu_model(), "pinned": args.pin, "temperature": args.temperature, "gamma": args.gamma,
-              "budget": args.budget,
-              "max_tokens": args.max_tokens, "rows": rows}
+              "budget": args.budget, "max_tokens": args.max_tokens, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -71,9 +71,9 @@ def prompts(tokenizer: TextTokenizer, n: int) -> list[list[int]]:
 def generate_tps(engine: Engine, proposer, policy: Policy, gamma: int, ids: list[list[int]], tokens: int,
                  batch: int, temperature: float = 0.0) -> float:
     router = LocalRouter(engine, proposer, policy, gamma)
-    params = [SamplingParams(max_tokens=tokens, temperature=temperature, seed=i if temperature else None)
-              for i in range(len(ids))]
-    reqs = [GenerationRequest(f"p{i}", p, params[i]) for i, p in enumerate(ids)]
+    reqs = [GenerationRequest(f"p{i}", p, SamplingParams(max_tokens=tokens, temperature=temperature,
+                                                         seed=i if temperature else None))
+            for i, p in enumerate(ids)]
     started, total = time.perf_counter(), 0
     for first in range(0, len(reqs), batch):
         total += sum(len(r.token_ids) for r in router.generate(reqs[first : first + batch]))
@@ -177,15 +177,14 @@ def main() -> None:
                 plain_tps.append(generate_tps(engines[mode], None, Policy.NONE, 0, ids, args.tokens, 1, t))
                 spec_tps.append(generate_tps(engines[mode], drafter, Policy.FIXED, gamma, ids, args.tokens, 1, t))
             base, tps = statistics.median(plain_tps), statistics.median(spec_tps)
+            block = timed.per_block_ms()
+            block_x = block["propose_ms"] / results["forward_ms"][mode][1]
             results["speculative"].setdefault(name, {})[mode] = {"tokens_per_s": round(tps, 1),
                                                                  "plain_tokens_per_s": round(base, 1),
-                                                                 "x_plain": round(tps / base, 2),
-                                                                 **timed.per_block_ms()}
-            step_ms = results["forward_ms"][mode][1]
-            block_x = timed.per_block_ms()["propose_ms"] / step_ms
-            results["speculative"][name][mode]["block_x_step"] = round(block_x, 2)
+                                                                 "x_plain": round(tps / base, 2), **block,
+                                                                 "block_x_step": round(block_x, 2)}
             print(f"{name} {mode}: {tps:.1f} tok/s against plain {base:.1f} in the same rounds = {tps / base:.2f} x; "
-                  f"a block {timed.per_block_ms()} = {block_x:.2f} x a target forward(1)", flush=True)
+                  f"a block {block} = {block_x:.2f} x a target forward(1)", flush=True)
     if len(modes) > 1:
         results["compiled_x_eager"] = {b: round(results["plain"]["compiled"][b] / results["plain"]["eager"][b], 2)
                                        for b in (1, 8)}

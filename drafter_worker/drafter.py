@@ -194,10 +194,10 @@ class Drafter(StatelessProposer):
             steps.append(draft)
         return self._collect(steps, [])
 
-    def _sample(self, logits: torch.Tensor, sampling: list[SamplingParams], steer: list[bool] | None = None,
-                knobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    def _sample(self, logits: torch.Tensor, sampling: list[SamplingParams], steer: list[bool] | None,
+                knobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
         """logits [R, V] fp32 → next tokens [R] and per request (token, q ids [K] and probs [K] or None, peak);
-        rows with `steer` set draw from (and report) the steered q'.
+        rows with `steer` set draw from (and report) the steered q'; `knobs`: `_knobs(sampling)`, made once a block.
 
         The peak max_v q(v) is taken before the token is drawn: the router's acceptance estimate for
         drafters without a confidence head, which must not depend on the token itself.
@@ -205,7 +205,7 @@ class Drafter(StatelessProposer):
         if all(p.greedy for p in sampling):  # the argmax is all a greedy block needs: no sort, no q
             peak, tokens = logits.softmax(-1).max(-1)  # [R], [R]
             return tokens, [(int(t), None, float(c)) for t, c in zip(tokens, peak, strict=True)]
-        temps, top_k, top_p = knobs if knobs is not None else _knobs(sampling, logits.device)
+        temps, top_k, top_p = knobs
         probs = logits_to_probs(logits, temps, top_k, top_p)  # [R, V]
         ids, q = truncate_to_sparse(probs, self.max_q)  # [R, K]
         peak_q = q[:, 0]  # q is sorted: column 0 is the max (the signal is the unsteered peak)

@@ -114,7 +114,7 @@ def pack_linears(module: nn.Module) -> int:
     (0 where `pack` makes none: a CUDA model keeps its linears as they are)."""
     count = 0
     for m in list(module.modules()):
-        if isinstance(m, nn.Linear) and type(m) in (nn.Linear, PackedLinear):
+        if type(m) in (nn.Linear, PackedLinear):  # not subclasses: their forwards are their own
             packed = pack(m.weight)
             if packed is not None:
                 m.__class__ = PackedLinear  # same parameters and names; only the forward changes

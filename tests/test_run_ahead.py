@@ -9,7 +9,7 @@ import torch
 
 from drafter_worker.ahead import RunAhead
 from drafter_worker.ahead_window import AheadWindow
-from drafter_worker.drafter import Drafter
+from drafter_worker.drafter import Drafter, _knobs
 from drafter_worker.service import DrafterService
 from drafter_worker.speculation import Outcome, Speculation, SpeculationCache, Steering, likely_outcomes, outcome_of
 from router.offline import GenerationRequest, LocalRouter
@@ -165,7 +165,7 @@ def test_steered_drafts_report_the_q_they_were_drawn_from():
     drafter.steering, drafter.steered = Steering(1, 0.25), {"s"}
     logits = torch.randn(1, VOCAB).expand(2, -1)  # the same distribution in both rows
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0)]
-    _, draft = drafter._sample(logits, params, [True, False])
+    _, draft = drafter._sample(logits, params, [True, False], _knobs(params, logits.device))
     (_, (_, steered), _), (_, (_, plain), _) = draft
     assert steered[0] < plain[0] and torch.allclose(steered.sum(), torch.tensor(1.0))
     assert torch.allclose(steered[1:] / steered[1:].sum(), plain[1:] / plain[1:].sum())
