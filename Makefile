@@ -114,13 +114,14 @@ drafters-v2-cache: data-deps $(BIN)/dspark
 # a better held-out expected accepted length (the best weights are exported). DSpark and DFlash get the same data,
 # steps, anchors and learning rate; they train side by side on one thread each, then EAGLE-3 and MTP-1 the same
 # way (about 4 h on 2 vCPUs: EAGLE-3 2.9 s a step). Then Platt calibration (a
-# temperature and a bias per position) of DSpark's confidences at T = 1. Resumable: rerun after an interruption.
+# temperature and a bias per position) of DSpark's confidences at T = 1. Resumable: rerun after an interruption;
+# on a fresh machine each run resumes from its compact copy in runs/drafters-v2/METHOD (commit it before a stop).
 V2 := --target dspark-target-v2 --data-dir build/data-v2 --patience 4 --eval-every 250
 drafters-v2: drafters-v2-cache
-	OMP_NUM_THREADS=1 $(BIN)/dspark train drafter --method dspark $(V2) --epochs 4 --anchors 32 & \
-	OMP_NUM_THREADS=1 $(BIN)/dspark train drafter --method dflash $(V2) --epochs 4 --anchors 32 & wait
-	OMP_NUM_THREADS=1 $(BIN)/dspark train drafter --method eagle3 $(V2) --epochs 2 --anchors 48 & \
-	OMP_NUM_THREADS=1 $(BIN)/dspark train drafter --method mtp $(V2) --epochs 4 --anchors 32 & wait
+	OMP_NUM_THREADS=1 $(BIN)/dspark train drafter --method dspark $(V2) --mirror-dir runs/drafters-v2/dspark --epochs 4 --anchors 32 & \
+	OMP_NUM_THREADS=1 $(BIN)/dspark train drafter --method dflash $(V2) --mirror-dir runs/drafters-v2/dflash --epochs 4 --anchors 32 & wait
+	OMP_NUM_THREADS=1 $(BIN)/dspark train drafter --method eagle3 $(V2) --mirror-dir runs/drafters-v2/eagle3 --epochs 2 --anchors 48 & \
+	OMP_NUM_THREADS=1 $(BIN)/dspark train drafter --method mtp $(V2) --mirror-dir runs/drafters-v2/mtp --epochs 4 --anchors 32 & wait
 	$(BIN)/dspark calibrate --target dspark-target-v2 --drafter dspark-target-v2-dspark --data-dir build/data-v2 \
 		--temperature 1 --method platt
 

@@ -54,6 +54,9 @@ def add_train_parser(train_sub) -> None:
     p.add_argument("--standin-weight", type=float, default=0.0, help="block drafters: weight of the stand-in "
                    "term, which trains the states a block drafts ahead from (docs/drafters.md)")
     p.add_argument("--init-from", type=Path, help="an exported drafter to fine-tune instead of fresh weights")
+    p.add_argument("--mirror-dir", type=Path, help="a compact copy of the run, refreshed every --mirror-every "
+                   "steps: commit it to resume the run on a fresh machine (used when RUN_DIR holds no state)")
+    p.add_argument("--mirror-every", type=int, default=250)
     p.add_argument("--unroll", type=int, default=0, help="chain drafters: training-time-test steps (0: the block "
                    "size; MTP-1 with 2 also learns to draft from its own output, as drafting ahead does)")
 
@@ -104,7 +107,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         f"{target_dir.name}-{suffix}", steps=_steps(args, len(train_cache)), batch_sequences=args.batch_sequences,
         anchors_per_sequence=args.anchors, lr=args.lr, eval_every=args.eval_every, seed=args.seed,
         patience=args.patience, autocast=False if args.no_autocast else None, standin_weight=args.standin_weight,
-        init_from=args.init_from, unroll=args.unroll)
+        init_from=args.init_from, unroll=args.unroll, mirror_dir=args.mirror_dir, mirror_every=args.mirror_every)
     target = load_model(target_dir, "float32", "cpu")
     out = train(dcfg, target, train_cache, val_cache, cfg, log=_log())
     _log()(f"exported the drafter to {out}")

@@ -118,6 +118,34 @@ def test_a_few_training_steps_of_every_method(caches, method):
     assert torch.equal(model.lm_head.weight, target.lm_head.weight)  # shared, not stored
 
 
+def test_a_run_resumes_on_a_fresh_machine_from_its_mirror(caches):
+    """The run directory gone (a fresh machine), the committed mirror resumes the run at its step with its log and
+    best weights; the weights then follow the uninterrupted run's closely (only the moments were rounded)."""
+    import shutil
+
+    target, _, cache, val, root = caches
+    dcfg = default_config("dspark", "tiny", TAPS, VOCAB - 1)
+    base = dict(batch_sequences=2, anchors_per_sequence=4, eval_every=2, checkpoint_every=1, mirror_every=2)
+    whole = DrafterTrainConfig(run_dir=root / "run-whole", out_dir=root / "out-whole", steps=6, **base)
+    train(dcfg, target, cache, val, whole, log=lambda _: None)
+    mirror = root / "mirror"
+    first = DrafterTrainConfig(run_dir=root / "run-a", out_dir=root / "out-a", steps=6, mirror_dir=mirror, **base)
+    train(dcfg, target, cache, val, DrafterTrainConfig(**{**{f: getattr(first, f) for f in first.__dataclass_fields__},
+                                                         "steps": 4}), log=lambda _: None)
+    assert torch.load(mirror / "resume.pt", weights_only=True)["step"] == 4
+    shutil.rmtree(first.run_dir)
+    fresh = DrafterTrainConfig(**{**{f: getattr(first, f) for f in first.__dataclass_fields__},
+                                  "run_dir": root / "run-b", "out_dir": root / "out-b"})
+    train(dcfg, target, cache, val, fresh, log=lambda _: None)
+    log = [json.loads(line) for line in (fresh.run_dir / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]  # steps 1-4 came with the mirror
+    assert json.loads((fresh.run_dir / "best.json").read_text())["last_step"] == 6
+    a, _ = load_drafter(whole.out_dir, target, "float32")
+    b, _ = load_drafter(fresh.out_dir, target, "float32")
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.allclose(pa, pb, rtol=1e-2, atol=1e-3), name
+
+
 def test_expected_accepted_is_the_chain_of_slot_rates():
     assert expected_accepted([0.5, 0.5, 1.0]) == pytest.approx(0.5 + 0.25 + 0.25)
     assert expected_accepted([0.0, 1.0]) == 0.0

@@ -4,7 +4,9 @@ Each step draws `batch_sequences` cached sequences and `anchors_per_sequence` an
 drafters run one parallel forward per anchor; chain drafters unroll the whole sequences for γ steps
 (training-time test) and read the rows of the same anchors, so every method is scored on the same
 (anchor, k) pairs: slot k predicts the token at anchor + k + 1, target logits = LMHead(hidden[anchor + k]).
-State goes to `run_dir/state.pt` atomically every `checkpoint_every` steps; a rerun resumes.
+State goes to `run_dir/state.pt` atomically every `checkpoint_every` steps; a rerun resumes. With `mirror_dir`,
+a compact copy (training/run_mirror.py) goes there every `mirror_every` steps: committed, it resumes the run on
+a fresh machine.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from services.model import CausalLM
 from training.anchors import block_labels, sample_anchors
 from training.drafter_losses import decay_weights, dflash_loss, dspark_loss, soft_ce_loss, standin_loss, step_weights
 from training.early_stop import EarlyStop, expected_accepted
+from training.run_mirror import load_mirror, save_mirror
 from training.schedule import warmup_cosine
 from training.state import resume_state, save_state
 from training.target_cache import TargetCache
@@ -49,6 +52,8 @@ class DrafterTrainConfig:
     init_from: Path | None = None  # an exported drafter to start from (a fine-tune) instead of fresh weights
     unroll: int = 0  # chain drafters: training-time-test steps (0: the block size); MTP-1 drafts one token but
     # drafting ahead runs it on its own output as context (drafter_worker/predraft.py), which a second step trains
+    mirror_dir: Path | None = None  # a compact copy of the run for git (run_mirror.py); None: none
+    mirror_every: int = 250
 
 
 @dataclass(slots=True)
@@ -126,6 +131,8 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     step, elapsed = resume_state(cfg.run_dir, model, opt)
+    if step == 0 and cfg.mirror_dir is not None:
+        step, elapsed = load_mirror(cfg.mirror_dir, cfg.run_dir, model, opt)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     keeper = EarlyStop.load(cfg.run_dir, cfg.patience)
     device = target.device
@@ -163,6 +170,8 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
             bar.update(task, completed=step, info=f"loss {record['loss']:.3f}")
             if step % cfg.checkpoint_every == 0 or step == cfg.steps or keeper.stopped:
                 save_state(cfg.run_dir, model, opt, step, elapsed, {k: str(v) for k, v in asdict(cfg).items()})
+            if cfg.mirror_dir is not None and (step % cfg.mirror_every == 0 or step == cfg.steps or keeper.stopped):
+                save_mirror(cfg.mirror_dir, cfg.run_dir, model, opt, step, elapsed, keeper.best_step)
     best = keeper.restore_best(cfg.run_dir, model)
     if best is not None:
         log(f"exporting the weights of step {best} (held-out expected accepted {keeper.best:.3f})")
