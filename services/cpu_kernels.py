@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).parent / "kernels" / "linear.cpp"]
+SOURCES = [Path(__file__).parent / "kernels" / name for name in ("linear.cpp", "decoder.cpp", "bindings.cpp")]
 
 
 def _cpu_supports(dtype: torch.dtype) -> bool:
@@ -73,6 +73,11 @@ def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 @_linear_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def decoder_layer(*args) -> torch.Tensor:
+    """One decoder layer in one call (services/kernels/decoder.cpp; the arguments: services/fused_decoder.py)."""
+    return _module().decoder_layer(*args)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

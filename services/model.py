@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from services import fused_decoder
 from services.attention import AttentionPlan
 from services.gemma import decoder_layer, dense_window_mask, final_norm, scale_embeddings, softcap
 from services.layers import RaggedLayout
@@ -54,6 +55,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rotary: RotaryTable | None = None
         self._local_rotary: RotaryTable | None = None  # Gemma's sliding layers' (`rope_local_base_freq`)
+        self.fused = False  # steps run each layer as one kernel call (services/fused_decoder.py; set when prepared)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -101,9 +103,26 @@ class CausalLM(nn.Module):
         v_cache: torch.Tensor,  # [num_layers, S, Hkv, L, Dh]
         logit_rows: torch.Tensor,  # [M] int64, rows of N whose next-token logits are wanted
     ) -> ForwardOutput:
+        if self.fused and not torch.compiler.is_compiling():
+            logits, features = self._run_fused(input_ids, positions, layout, k_cache, v_cache, logit_rows)
+            return ForwardOutput(logits=logits, features=features)
         plan = AttentionPlan.build(layout.slots, layout.starts, layout.lens, input_ids.device, k_cache[0].shape[2])
         logits, features = self._run(input_ids, positions, plan, k_cache, v_cache, logit_rows)
         return ForwardOutput(logits=logits, features=features)
+
+    def _run_fused(self, input_ids, positions, layout: RaggedLayout, k_cache, v_cache, logit_rows):
+        """`_run` with every layer one kernel call: no attention plan, rotary read in fp32."""
+        dev = input_ids.device
+        slots = torch.tensor(layout.slots, device=dev).repeat_interleave(torch.tensor(layout.lens, device=dev))  # [N]
+        table = self.rotary()
+        cos, sin = table.cos[positions], table.sin[positions]  # [N, Dh] fp32
+        x = self._embed(input_ids)  # [N, d]
+        taps = []
+        for i, layer in enumerate(self.model.layers):
+            x = fused_decoder.run_layer(layer, x, cos, sin, k_cache[i], v_cache[i], slots, positions)
+            if i in self.tap_layers:
+                taps.append(x)
+        return self._outputs(x, taps, logit_rows)
 
     def step(self, input_ids, positions, write_slots, write_pos, block_slots, gather_rows, mask, scatter,
              k_cache, v_cache, logit_rows) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -121,6 +140,10 @@ class CausalLM(nn.Module):
             x = layer(x, rope, layer_plan, k_cache[i], v_cache[i])
             if i in self.tap_layers:
                 taps.append(x)
+        return self._outputs(x, taps, logit_rows)
+
+    def _outputs(self, x: torch.Tensor, taps: list[torch.Tensor], logit_rows: torch.Tensor):
+        """The last layer's output x [N, d] and the tap layers' → logits [M, V] fp32, features [N, T*d] or None."""
         if self.final_tap:  # every row's normed hidden is a feature; the logit rows are some of them
             taps.append(self.model.norm(x))  # [N, d]
             h = taps[-1][logit_rows]
@@ -132,11 +155,13 @@ class CausalLM(nn.Module):
 
     def prepare_for_serving(self) -> None:
         """Fuse q/k/v and gate/up into one GEMM each and, on the CPU, pack every linear for oneDNN
-        (services/packed_linear.py); names and checkpoints unchanged. Idempotent."""
+        (services/packed_linear.py) and run each layer as one kernel call where the kernel serves the model
+        (services/fused_decoder.py); names and checkpoints unchanged. Idempotent."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
         pack_linears(self)
+        self.fused = fused_decoder.serves(self)
 
     def forward_dense(self, input_ids: torch.Tensor) -> ForwardOutput:
         """Whole sequences without a cache, input_ids [B, T] → logits [B, T, V] (model dtype, or the autocast

@@ -8,21 +8,13 @@
 // Exactness: every y[m, n] is one dot product over k in a fixed order (32- or 8-wide lanes, k ascending, then a
 // fixed lane reduction), the same whatever M is and whichever thread computes it, so a row's bits never depend
 // on the other rows of the step (the batch invariance greedy speculation relies on).
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <cmath>
-#include <cstring>
 
+#include "ops.h"
+
+namespace dspark {
 namespace {
-
-inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
-  if (std::isnan(f)) return 0x7FC0;
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 // A weight row is read once and dotted with tiles of 4, 2, 1 rows of x held in registers. One weight stream per
 // thread reads fastest here: tiles of four weight rows ran 2x slower at one row, tiles of 8 rows of x no faster
@@ -157,6 +149,4 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "y = x wᵀ + b, each output one fixed-order dot product");
-}
+}  // namespace dspark

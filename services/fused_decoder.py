@@ -1,0 +1,72 @@
+"""The CPU serving path's decoder layers: each one call of the project's kernel (services/kernels/decoder.cpp).
+
+A decode or verify step of target v2 spends more in dispatch than in arithmetic when each layer is a few
+hundred aten calls; in one C++ call per layer the step costs its GEMMs and little else. The kernel computes
+every row alone (a row's bits do not depend on the step's other rows: batch invariant, as greedy speculation
+needs), but not with the module path's bits: a model serves on one path or the other for all its steps, which
+`CausalLM.prepare_for_serving` decides once (`serves`). `DSPARK_FUSED_DECODER=0` keeps the module path.
+
+What it serves: Llama-family layers as `services/layers.py` builds them (fused q/k/v and gate/up, SiLU, RMSNorm
+of one eps, biases allowed, head_dim a multiple of 32), in bf16 where the CPU has AVX512-BF16 and fp32 with
+AVX2; not Gemma, q/k norms or tensor-parallel shards (their layers are not these modules).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services import cpu_kernels
+from services.layers import MLP, Attention, DecoderLayer
+from services.packed_linear import PackedLinear
+
+_PLAIN_LINEAR = (nn.Linear, PackedLinear)
+
+
+def serves(model) -> bool:
+    """Whether every decoder layer of `model` (a prepared `CausalLM`) runs on the kernel."""
+    cfg = model.config
+    if os.environ.get("DSPARK_FUSED_DECODER", "1") == "0" or model.device.type != "cpu":
+        return False
+    if cfg.gemma is not None or cfg.qk_norm or cfg.head_dim % 32 or not cpu_kernels.available(model.dtype):
+        return False
+    return all(_plain(layer, cfg) for layer in model.model.layers)
+
+
+def _plain(layer: nn.Module, cfg) -> bool:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP:
+        return False
+    if attn.qkv_weight is None or mlp.gate_up_weight is None or mlp.act is not F.silu or attn.scale is not None:
+        return False
+    if (attn.n_heads, attn.n_kv) != (cfg.num_attention_heads, cfg.num_key_value_heads):
+        return False  # a shard's heads
+    if type(attn.o_proj) not in _PLAIN_LINEAR or type(mlp.down_proj) not in _PLAIN_LINEAR:
+        return False
+    tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.qkv_weight,
+               attn.o_proj.weight, mlp.gate_up_weight, mlp.down_proj.weight]
+    dtype = tensors[0].dtype
+    return layer.input_layernorm.eps == layer.post_attention_layernorm.eps and all(
+        t.dtype == dtype and t.is_contiguous() for t in tensors)
+
+
+def run_layer(
+    layer: DecoderLayer,
+    x: torch.Tensor,  # [N, d] model dtype
+    cos: torch.Tensor,  # [N, Dh] fp32, at the rows' positions
+    sin: torch.Tensor,  # [N, Dh] fp32
+    k_cache: torch.Tensor,  # [S, Hkv, L, Dh] this layer's keys
+    v_cache: torch.Tensor,  # [S, Hkv, L, Dh]
+    slots: torch.Tensor,  # [N] int64, each row's cache slot
+    positions: torch.Tensor,  # [N] int64, each row's position (where its key is written; it sees 0..it)
+) -> torch.Tensor:
+    """One layer → its output [N, d]; the rows' keys and values are written into the caches."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return cpu_kernels.decoder_layer(
+        x.contiguous(), layer.input_layernorm.weight, attn.qkv_weight, attn.qkv_bias, attn.o_proj.weight,
+        attn.o_proj.bias, layer.post_attention_layernorm.weight, mlp.gate_up_weight, mlp.gate_up_bias,
+        mlp.down_proj.weight, mlp.down_proj.bias, cos, sin, k_cache, v_cache, slots, positions, attn.n_heads,
+        attn.n_kv, layer.input_layernorm.eps, attn.head_dim ** -0.5)

@@ -1,0 +1,7 @@
+// The Python module of the project's CPU kernels (services/cpu_kernels.py).
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &dspark::linear, "y = x wᵀ + b, each output one fixed-order dot product");
+  m.def("decoder_layer", &dspark::decoder_layer, "one Llama decoder layer over a step's rows and a slot KV cache");
+}

@@ -1,0 +1,34 @@
+// What the project's CPU kernels share: the bf16 rounding torch uses and the entry points bindings.cpp exports.
+#pragma once
+#include <torch/extension.h>
+#include <cmath>
+#include <cstring>
+#include <optional>
+
+namespace dspark {
+
+inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float from_bf16(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias);
+
+torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, std::optional<torch::Tensor> qkv_b,
+                            torch::Tensor o_w, std::optional<torch::Tensor> o_b, torch::Tensor ln2,
+                            torch::Tensor gate_up_w, std::optional<torch::Tensor> gate_up_b, torch::Tensor down_w,
+                            std::optional<torch::Tensor> down_b, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor pos,
+                            int64_t n_heads, int64_t n_kv, double eps, double scale);
+
+}  // namespace dspark
