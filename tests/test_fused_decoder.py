@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from services import cpu_kernels
+from services import cpu_kernels, fused_decoder
 from services.layers import RaggedLayout
 from tests.conftest import VOCAB, make_model
 from training.tiny_model import random_model, tiny_config
@@ -106,3 +106,17 @@ def test_models_the_kernel_does_not_serve_keep_the_module_path(monkeypatch):
     plain = make_model()
     plain.prepare_for_serving()
     assert not plain.fused
+
+
+def test_a_row_beyond_the_cache_is_refused_before_anything_is_written():
+    _need(torch.float32)
+    model = _model(torch.float32)
+    cfg = model.config
+    k = torch.zeros(1, cfg.num_key_value_heads, 8, cfg.head_dim)
+    v = torch.zeros_like(k)
+    layer = model.model.layers[0]
+    x = torch.randn(1, cfg.hidden_size)
+    cos, sin = model.rotary().cos[[8]], model.rotary().sin[[8]]
+    with pytest.raises(RuntimeError, match="beyond the cache"):
+        fused_decoder.run_layer(layer, x, cos, sin, k, v, torch.tensor([0]), torch.tensor([8]))
+    assert not k.any() and not v.any()

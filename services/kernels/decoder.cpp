@@ -246,8 +246,10 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qk
   TORCH_CHECK(c.size(0) == x.size(0) && c.size(1) == s.dh && sl.size(0) == x.size(0) && ps.size(0) == x.size(0),
               "decoder_layer: cos, sin [N, Dh], slots, pos [N]");
   if (x.size(0) == 0) return x.clone();
-  TORCH_CHECK(ps.max().item<int64_t>() < s.cache_len && sl.max().item<int64_t>() < k_cache.size(0),
-              "decoder_layer: a row beyond the cache");
+  for (int64_t n = 0; n < x.size(0); ++n)
+    TORCH_CHECK(ps.data_ptr<int64_t>()[n] >= 0 && ps.data_ptr<int64_t>()[n] < s.cache_len &&
+                    sl.data_ptr<int64_t>()[n] >= 0 && sl.data_ptr<int64_t>()[n] < k_cache.size(0),
+                "decoder_layer: a row beyond the cache");
   if (x.scalar_type() == torch::kBFloat16)
     return layer<Bf16>(x, ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b, c.data_ptr<float>(),
                        sn.data_ptr<float>(), k_cache, v_cache, sl.data_ptr<int64_t>(), ps.data_ptr<int64_t>(), s,
