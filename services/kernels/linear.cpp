@@ -5,8 +5,8 @@
 // 2-vCPU VMs (its per-call set-up and blocking are made for larger M); a loop that reads each weight row once
 // and keeps the rows of x in L1 reaches the memory's 20 GB/s.
 //
-// Exactness: every y[m, n] is one dot product over k in a fixed order (32- or 8-wide lanes, k ascending, then a
-// fixed lane reduction), the same whatever M is and whichever thread computes it, so a row's bits never depend
+// Exactness: every y[m, n] is one dot product over k in a fixed order (32- or 8-wide lanes, k ascending; bf16 in
+// two accumulators of alternate 32-chunks, added; then a fixed lane reduction), the same whatever M is and whichever thread computes it, so a row's bits never depend
 // on the other rows of the step (the batch invariance greedy speculation relies on).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -27,26 +27,37 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) inline void bf16
     const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* y, int64_t K, int64_t N, int64_t m,
     int64_t n) {
   const uint16_t* wr = w + n * K;
-  __m512 acc[T];
+  // Two accumulators per row, even and odd chunks of 32, so that consecutive dpbf16s do not wait on each other
+  // (at one row a single chain is latency-bound where the weights sit in cache); summed in a fixed order.
+  __m512 acc[T], odd[T];
 #pragma GCC unroll 4
-  for (int i = 0; i < T; ++i) acc[i] = _mm512_setzero_ps();
-  const int64_t full = K - K % 32;
-  for (int64_t k = 0; k < full; k += 32) {
-    const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k);
+  for (int i = 0; i < T; ++i) acc[i] = _mm512_setzero_ps(), odd[i] = _mm512_setzero_ps();
+  const int64_t full = K - K % 32, pairs = K - K % 64;
+  for (int64_t k = 0; k < pairs; k += 64) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
+#pragma GCC unroll 4
+    for (int i = 0; i < T; ++i) {
+      acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(x + (m + i) * K + k), w0);
+      odd[i] = _mm512_dpbf16_ps(odd[i], (__m512bh)_mm512_loadu_si512(x + (m + i) * K + k + 32), w1);
+    }
+  }
+  if (pairs < full) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + pairs);
 #pragma GCC unroll 4
     for (int i = 0; i < T; ++i)
-      acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(x + (m + i) * K + k), wv);
+      acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(x + (m + i) * K + pairs), wv);
   }
   if (full < K) {
     const __mmask32 mask = static_cast<__mmask32>((1ULL << (K - full)) - 1);
     const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + full);
 #pragma GCC unroll 4
     for (int i = 0; i < T; ++i)
-      acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (m + i) * K + full), wv);
+      odd[i] = _mm512_dpbf16_ps(odd[i], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (m + i) * K + full), wv);
   }
 #pragma GCC unroll 4
   for (int i = 0; i < T; ++i) {
-    float s = _mm512_reduce_add_ps(acc[i]);
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], odd[i]));
     if (bias) s += bias[n];
     y[(m + i) * N + n] = to_bf16(s);
   }
