@@ -126,9 +126,10 @@ struct Shape {
 };
 
 // The query heads of one key head for one row, over keys 0..p of its slot → out (that row's H·Dh values).
-// No target of its own: it calls the dtype's `dot` and `axpy`, so the fp32 path holds no AVX-512 code.
+// No target of its own: always inlined into `attend_bf16` / `attend_fp32`, whose targets let the dtype's `dot`
+// and `axpy` inline into it, while the fp32 path holds no AVX-512 code.
 template <class D>
-void attend_task(
+__attribute__((always_inline)) inline void attend_task(
     const typename D::T* q_row, const typename D::T* keys, const typename D::T* values, int64_t p, float scale,
     const Shape& s, int64_t g, typename D::T* out_row) {
   const int64_t group = s.heads / s.kv_heads, n = p + 1, padded = (n + 7) / 8 * 8;
@@ -144,6 +145,28 @@ void attend_task(
     const float inv = 1.f / total;
     for (int64_t i = 0; i < s.dh; ++i) out_row[h * s.dh + i] = D::st(acc[i] * inv);
   }
+}
+
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl,avx2,fma"))) void attend_bf16(
+    const uint16_t* q_row, const uint16_t* keys, const uint16_t* values, int64_t p, float scale, const Shape& s,
+    int64_t g, uint16_t* out_row) {
+  attend_task<Bf16>(q_row, keys, values, p, scale, s, g, out_row);
+}
+
+__attribute__((target("avx2,fma"))) void attend_fp32(const float* q_row, const float* keys, const float* values,
+                                                      int64_t p, float scale, const Shape& s, int64_t g,
+                                                      float* out_row) {
+  attend_task<F32>(q_row, keys, values, p, scale, s, g, out_row);
+}
+
+inline void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t p, float scale, const Shape& s,
+                   int64_t g, uint16_t* out) {
+  attend_bf16(q, k, v, p, scale, s, g, out);
+}
+
+inline void attend(const float* q, const float* k, const float* v, int64_t p, float scale, const Shape& s, int64_t g,
+                   float* out) {
+  attend_fp32(q, k, v, p, scale, s, g, out);
 }
 
 template <class D>
@@ -209,7 +232,7 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, std
     for (int64_t task = b; task < e; ++task) {
       const int64_t n = task / s.kv_heads, g = task % s.kv_heads;
       const int64_t base = (slots[n] * s.kv_heads + g) * s.cache_len * s.dh;
-      attend_task<D>(qkv_p + n * row_width, keys + base, values + base, pos[n], scale, s, g, attn_p + n * q_width);
+      attend(qkv_p + n * row_width, keys + base, values + base, pos[n], scale, s, g, attn_p + n * q_width);
     }
   });
   auto mid = dspark::linear(attn, o_w, o_b);  // [N, d]
