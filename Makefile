@@ -117,13 +117,14 @@ drafters-v2-cache: data-deps $(BIN)/dspark
 # temperature and a bias per position) of DSpark's confidences at T = 1. Resumable: rerun after an interruption;
 # on a fresh machine each run resumes from its compact copy in runs/drafters-v2/METHOD (commit it before a stop).
 V2 := --target dspark-target-v2 --data-dir build/data-v2 --patience 4 --eval-every 250
+# A method whose drafter already ships in models/ is not trained again (its mirror is gone by then).
+train-v2 = test -f models/dspark-target-v2-$(1)/model.safetensors || OMP_NUM_THREADS=1 $(BIN)/dspark train drafter \
+	--method $(1) $(V2) --mirror-dir runs/drafters-v2/$(1) --epochs $(2) --anchors $(3)
 drafters-v2: drafters-v2-cache
-	OMP_NUM_THREADS=1 $(BIN)/dspark train drafter --method dspark $(V2) --mirror-dir runs/drafters-v2/dspark --epochs 4 --anchors 32 & \
-	OMP_NUM_THREADS=1 $(BIN)/dspark train drafter --method dflash $(V2) --mirror-dir runs/drafters-v2/dflash --epochs 4 --anchors 32 & wait
-	OMP_NUM_THREADS=1 $(BIN)/dspark train drafter --method eagle3 $(V2) --mirror-dir runs/drafters-v2/eagle3 --epochs 2 --anchors 48 & \
-	OMP_NUM_THREADS=1 $(BIN)/dspark train drafter --method mtp $(V2) --mirror-dir runs/drafters-v2/mtp --epochs 4 --anchors 32 & wait
-	$(BIN)/dspark calibrate --target dspark-target-v2 --drafter dspark-target-v2-dspark --data-dir build/data-v2 \
-		--temperature 1 --method platt
+	$(call train-v2,dspark,4,32) & $(call train-v2,dflash,4,32) & wait
+	$(call train-v2,eagle3,2,48) & $(call train-v2,mtp,4,32) & wait
+	test -f models/dspark-target-v2-dspark/calibration.json || $(BIN)/dspark calibrate --target dspark-target-v2 \
+		--drafter dspark-target-v2-dspark --data-dir build/data-v2 --temperature 1 --method platt
 
 # Every model from a clean checkout: corpus v2, target v2, its rollouts and cache, its drafters.
 models: target-v2 drafters-v2
