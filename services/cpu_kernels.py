@@ -20,7 +20,8 @@ from types import ModuleType
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).parent / "kernels" / name for name in ("linear.cpp", "decoder.cpp", "bindings.cpp")]
+SOURCES = [Path(__file__).parent / "kernels" / name
+           for name in ("linear.cpp", "amx.cpp", "decoder.cpp", "bindings.cpp")]
 
 
 def _cpu_supports(dtype: torch.dtype) -> bool:
@@ -60,6 +61,19 @@ def build() -> bool:
     return _module() is not None
 
 
+def amx_serves(weight: torch.Tensor) -> bool:
+    """Whether `weight` runs on AMX tiles here (services/kernels/amx.cpp): bf16, N a multiple of 16 and K of 32,
+    a CPU with AMX-BF16 the OS lets us use; `DSPARK_AMX=0` keeps the AVX512 loop."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[0] % 16 or weight.shape[1] % 32:
+        return False
+    return os.environ.get("DSPARK_AMX", "1") != "0" and available(torch.bfloat16) and _module().amx_usable()
+
+
+def pack_amx(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16 → its AMX tile layout [N/16, K/32, 16, 16, 2], which `linear` takes in its place."""
+    return _module().pack_amx(weight.detach())
+
+
 def available(dtype: torch.dtype) -> bool:
     """Whether `linear` serves this dtype here (the CPU has the instructions and the module builds)."""
     return _cpu_supports(dtype) and _module() is not None
@@ -72,7 +86,7 @@ def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 @_linear_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])
+    return x.new_empty(x.shape[0], weight.shape[0] * (16 if weight.dim() == 5 else 1))
 
 
 def decoder_layer(*args) -> torch.Tensor:
@@ -81,9 +95,9 @@ def decoder_layer(*args) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K], weight [N, K], bias [N] or None → [..., N]; call only where `available(x.dtype)`. Under
-    `torch.compile` an opaque custom op (`dspark::linear`)."""
+    """x [..., K], weight [N, K] (or `pack_amx`'s layout of it), bias [N] or None → [..., N]; call only where
+    `available(x.dtype)`. Under `torch.compile` an opaque custom op (`dspark::linear`)."""
     rows = x.reshape(-1, x.shape[-1])
     run = _linear_op if torch.compiler.is_compiling() else _module().linear
     y = run(rows, weight, bias)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return y.view(*x.shape[:-1], y.shape[-1])

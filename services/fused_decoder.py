@@ -66,7 +66,14 @@ def run_layer(
     """One layer → its output [N, d]; the rows' keys and values are written into the caches."""
     attn, mlp = layer.self_attn, layer.mlp
     return cpu_kernels.decoder_layer(
-        x.contiguous(), layer.input_layernorm.weight, attn.qkv_weight, attn.qkv_bias, attn.o_proj.weight,
-        attn.o_proj.bias, layer.post_attention_layernorm.weight, mlp.gate_up_weight, mlp.gate_up_bias,
-        mlp.down_proj.weight, mlp.down_proj.bias, cos, sin, k_cache, v_cache, slots, positions, attn.n_heads,
-        attn.n_kv, layer.input_layernorm.eps, attn.head_dim ** -0.5)
+        x.contiguous(), layer.input_layernorm.weight, _kernel_weight(attn.qkv_weight, attn.qkv_packed),
+        attn.qkv_bias, _kernel_weight(attn.o_proj.weight, getattr(attn.o_proj, "packed", None)), attn.o_proj.bias,
+        layer.post_attention_layernorm.weight, _kernel_weight(mlp.gate_up_weight, mlp.gate_up_packed),
+        mlp.gate_up_bias, _kernel_weight(mlp.down_proj.weight, getattr(mlp.down_proj, "packed", None)),
+        mlp.down_proj.bias, cos, sin, k_cache, v_cache, slots, positions, attn.n_heads, attn.n_kv,
+        layer.input_layernorm.eps, attn.head_dim ** -0.5)
+
+
+def _kernel_weight(weight: torch.Tensor, packed) -> torch.Tensor:
+    """The weight as the kernel takes it: its AMX tile layout where `pack` made one and it is current."""
+    return packed.kernel_weight(weight) if packed is not None and packed.kernel and packed.current(weight) else weight

@@ -213,6 +213,7 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, std
   auto h = torch::empty_like(x);
   rms_norm<D>(ptr(x), ptr(ln1), ptr(h), N, d, eps);
   auto qkv = dspark::linear(h, qkv_w, qkv_b);  // [N, (H + 2 Hkv) Dh]
+  TORCH_CHECK(qkv.size(1) == q_width + 2 * kv_width, "decoder_layer: qkv weight of (H + 2 Hkv) Dh outputs");
   T* keys = ptr(k_cache);
   T* values = ptr(v_cache);
   const int64_t row_width = q_width + 2 * kv_width;
@@ -236,6 +237,7 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, std
     }
   });
   auto mid = dspark::linear(attn, o_w, o_b);  // [N, d]
+  TORCH_CHECK(mid.size(1) == d, "decoder_layer: o-proj of d outputs");
   add_into<D>(ptr(x), ptr(mid), ptr(mid), N * d);  // mid = x + attention
   rms_norm<D>(ptr(mid), ptr(ln2), ptr(h), N, d, eps);
   auto gu = dspark::linear(h, gu_w, gu_b);  // [N, 2F]: gate, then up
@@ -245,6 +247,7 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, std
     for (int64_t n = b; n < e; ++n) silu_mul_row<D>(ptr(gu) + n * 2 * F, ptr(act) + n * F, F);
   });
   auto out = dspark::linear(act, down_w, down_b);
+  TORCH_CHECK(out.size(1) == d, "decoder_layer: down-proj of d outputs");
   add_into<D>(ptr(mid), ptr(out), ptr(out), N * d);
   return out;
 }

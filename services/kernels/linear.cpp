@@ -131,15 +131,17 @@ void over_outputs(int64_t N, F&& fn) {
 }  // namespace
 
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: x [M, K], w [N, K]");
+  TORCH_CHECK(x.dim() == 2 && (w.dim() == 2 || w.dim() == 5), "linear: x [M, K], w [N, K] or packed by pack_amx");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear: x and w of one dtype");
   x = x.contiguous();
-  w = w.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options());
   torch::Tensor b32;
   if (bias && bias->defined()) b32 = bias->to(torch::kFloat).contiguous();
   const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
+  if (w.dim() == 5) return linear_amx(x, w, bp);  // amx.cpp
+  TORCH_CHECK(x.size(1) == w.size(1), "linear: x [M, K], w [N, K]");
+  w = w.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (x.scalar_type() == torch::kBFloat16) {
     auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr());

@@ -24,6 +24,10 @@ inline float from_bf16(uint16_t v) {
 
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias);
 
+bool amx_usable();  // amx.cpp: the CPU has AMX-BF16 and the OS lets this process use its tiles
+torch::Tensor pack_amx(torch::Tensor w);  // [N, K] → [N/16, K/32, 16, 16, 2]
+torch::Tensor linear_amx(torch::Tensor x, torch::Tensor w, const float* bias);
+
 torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, std::optional<torch::Tensor> qkv_b,
                             torch::Tensor o_w, std::optional<torch::Tensor> o_b, torch::Tensor ln2,
                             torch::Tensor gate_up_w, std::optional<torch::Tensor> gate_up_b, torch::Tensor down_w,
