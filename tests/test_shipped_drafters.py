@@ -10,29 +10,31 @@ from cli.main import main
 from services.registry import MODELS_DIR, list_models
 from tests.test_shipped_model import TARGET, _first_prompts
 
-DRAFTERS = {"mtp": f"{TARGET}-mtp", "eagle3": f"{TARGET}-eagle3", "dflash": f"{TARGET}-dflash",
-            "dspark": f"{TARGET}-dspark"}
+METHODS = ("mtp", "eagle3", "dflash", "dspark")
+TARGETS = (TARGET, "dspark-target-v2")  # every shipped target ships all four methods
+DRAFTERS = {method: f"{TARGET}-{method}" for method in METHODS}
 
 
-def test_drafters_are_listed_and_models_fit_the_budget():
+def test_drafters_are_listed_with_their_target_and_calibration():
     entries = {e.name: e for e in list_models()}
-    for name in DRAFTERS.values():
-        assert entries[name].kind == "drafter" and entries[name].target == TARGET
-    total = sum(p.stat().st_size for p in MODELS_DIR.rglob("*") if p.is_file())
-    assert total <= 150 * 2**20
-    assert (MODELS_DIR / DRAFTERS["dspark"] / "calibration.json").is_file()
+    for target in TARGETS:
+        for method in METHODS:
+            assert entries[f"{target}-{method}"].kind == "drafter" and entries[f"{target}-{method}"].target == target
+        assert (MODELS_DIR / f"{target}-dspark" / "calibration.json").is_file()
 
 
-@pytest.mark.parametrize("method", list(DRAFTERS))
-def test_greedy_with_each_shipped_drafter_equals_plain(tmp_path, capsys, method):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: the AVX512 or AMX kernels where the CPU has them
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_with_each_shipped_drafter_equals_plain(tmp_path, capsys, method, target, dtype):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in _first_prompts(1)))
-    base = ["generate", "--model", TARGET, "--prompts", str(prompts), "--max-tokens", "24", "--dtype", "float32",
+    base = ["generate", "--model", target, "--prompts", str(prompts), "--max-tokens", "24", "--dtype", dtype,
             "--json", "--max-batch", "3"]
     assert main([*base, "--method", "none"]) == 0
     plain = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     gamma = "1" if method == "mtp" else "7"
-    assert main([*base, "--method", method, "--drafter", DRAFTERS[method], "--gamma", gamma]) == 0
+    assert main([*base, "--method", method, "--drafter", f"{target}-{method}", "--gamma", gamma]) == 0
     spec = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
     assert sum(r["num_accepted_tokens"] for r in spec) > 0  # the trained drafter really gets drafts accepted
