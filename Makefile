@@ -140,12 +140,16 @@ drafters: data
 	$(BIN)/dspark calibrate --drafter $(MODEL)-dspark --temperature 1
 
 # docs/results/acceptance.md: τ, per-position acceptance and calibration of every shipped drafter at γ 4, 7, 16
-# and T 0, 1; acceptance-batch1.md: the headline setting (γ = 7, T = 1) at batch 1 as DeepSpec runs it.
+# and T 0, 1; acceptance-batch1.md: the headline setting (γ = 7, T = 1) at batch 1 as DeepSpec runs it;
+# acceptance-v2.md: target v2's drafters at γ = 7, T 0 and 1, batch 1 and 16, on corpus v2's held-out prompts.
 acceptance: $(BIN)/dspark
 	$(BIN)/dspark eval --drafter all --gamma 4,7,16 --temperature 0,1 --batch 16 --out-dir build/eval/table \
 		--markdown docs/results/acceptance.md
 	$(BIN)/dspark eval --drafter all --gamma 7 --temperature 1 --batch 1,16 --out-dir build/eval/headline \
 		--markdown docs/results/acceptance-batch1.md
+	@test -f build/data-v2/manifest.json || $(BIN)/dspark data build --out build/data-v2 --eval-dir build/data-v2/eval
+	$(BIN)/dspark eval --target dspark-target-v2 --drafter all --datasets-dir build/data-v2/eval --gamma 7 \
+		--temperature 0,1 --batch 1,16 --out-dir build/eval/v2 --markdown docs/results/acceptance-v2.md
 
 # The cluster image of infra/ (ray up, KubeRay): Ray 2.60, torch, dspark and the shipped models.
 image:
