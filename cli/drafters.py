@@ -209,6 +209,7 @@ def run_eval(args: argparse.Namespace) -> int:
     prompt_ids = {d: read_prompts(args.datasets_dir, d, spec.prompts, tok) for d in spec.datasets}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {"command": command_line(sys.argv[1:]), "target": args.target, "datasets": list(spec.datasets),
+              "datasets_dir": str(args.datasets_dir),
               "prompts": spec.prompts,
               "max_tokens": spec.max_tokens, "drafters": {}}
     log = _log()
@@ -219,7 +220,8 @@ def run_eval(args: argparse.Namespace) -> int:
         for gamma in gammas:
             for temperature in spec.temperatures:
                 plot = args.out_dir / f"reliability-{name}-g{gamma}-t{temperature:g}.png"
-                runs.append(evaluate_drafter(target, Drafter(model, calibration), calibration, prompt_ids, spec,
+                # The drafter reports raw confidences: the report applies `calibration` itself (once).
+                runs.append(evaluate_drafter(target, Drafter(model), calibration, prompt_ids, spec,
                                              tok.eos_token_ids, gamma, temperature, plot, log))
         report["drafters"][name] = runs
     text = markdown(report)

@@ -57,3 +57,22 @@ def test_eval_reports_tau_acceptance_and_calibration(tmp_path, capsys):
     assert {"raw", "calibrated"} <= set(run["confidence"])
     assert "| drafter | γ | T | batch |" in (tmp_path / "eval.md").read_text()
     assert (tmp_path / "reliability-dspark-target-dspark-g4-t1.png").stat().st_size > 0
+
+
+def test_eval_raw_confidences_do_not_depend_on_the_calibration_file(tmp_path, capsys):
+    """`raw` is the confidence head's own σ(z); the calibration is applied once, in the report only."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(MODELS_DIR / DRAFTERS["dspark"], bare)
+    (bare / "calibration.json").unlink()
+    raw = {}
+    for name, drafter in (("shipped", DRAFTERS["dspark"]), ("bare", str(bare))):
+        args = ["eval", "--drafter", drafter, "--datasets", "code", "--prompts", "2", "--batch", "1",
+                "--max-tokens", "12", "--gamma", "4", "--out-dir", str(tmp_path / name), "--json"]
+        assert main(args) == 0
+        run = next(iter(json.loads(capsys.readouterr().out)["drafters"].values()))[0]
+        raw[name] = run["confidence"]["raw"]
+        if name == "shipped":
+            assert run["confidence"]["calibrated"] != run["confidence"]["raw"]
+    assert raw["shipped"] == raw["bare"]
