@@ -68,7 +68,7 @@ def test_bad_layouts_are_refused_by_name():
     packed = cpu_kernels.pack_amx(w)
     with pytest.raises(RuntimeError, match="packed"):
         cpu_kernels.linear(torch.randn(2, 96).to(torch.bfloat16), packed, None)
-    with pytest.raises(RuntimeError, match="dtype|bf16 rows"):
+    with pytest.raises(RuntimeError, match=r"dtype|bf16 rows"):
         cpu_kernels.linear(x.float(), packed, None)
 
 

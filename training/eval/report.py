@@ -93,8 +93,8 @@ def markdown(report: dict) -> str:
     """Tables: τ per domain for every (drafter, γ, T, batch); per-position acceptance; calibration."""
     lines = [f"# Drafter acceptance on {report['target']}", "",
              f"`{report.get('command', 'dspark eval')}`: {report['prompts']} prompts per dataset "
-             f"(`{report.get('datasets_dir', 'benchmarks/datasets')}/`), at most {report['max_tokens']} new tokens, the full block verified every "
-             "cycle (no scheduler). τ counts the bonus / recovered token.", "",
+             f"(`{report.get('datasets_dir', 'benchmarks/datasets')}/`), at most {report['max_tokens']} new tokens, "
+             "the full block verified every cycle (no scheduler). τ counts the bonus / recovered token.", "",
              "| drafter | γ | T | batch | " + " | ".join(report["datasets"]) + " | mean τ |",
              "|---|---|---|---|" + "---|" * (len(report["datasets"]) + 1)]
     for name, runs in report["drafters"].items():
