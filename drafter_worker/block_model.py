@@ -57,7 +57,7 @@ class BlockDraftModel(DraftModelBase):
         mask = torch.cat([ctx_mask, block], dim=1)[:, None, None, :]  # [A, 1, 1, S+γ']
         for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
             x = layer(x, rope, k, v, mask)
-        return self._final(x)
+        return self.final(x)
 
     def backbone_packed(
         self,
@@ -88,7 +88,7 @@ class BlockDraftModel(DraftModelBase):
         mask = torch.cat([ctx.repeat_interleave(width, dim=1), own.expand(b, -1, -1)], dim=2)[:, None]
         for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
             rows = layer(rows, rope, k, v, mask)  # [B, per·γ', d]
-        return self._final(rows.view(b * per, width, -1)[place])
+        return self.final(rows.view(b * per, width, -1)[place])
 
     def _block_inputs(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, gamma: int):
         """→ x [A, γ', d] embeddings of [anchor, MASK, ..., MASK] and their rope (γ' = γ, or γ + 1 for fill-in)."""
@@ -100,14 +100,18 @@ class BlockDraftModel(DraftModelBase):
         x = self.embed_tokens(slots)  # [A, γ', d]
         return x, self.rotary().gather(positions, x.dtype)  # rope [A, γ', 1, Dh]
 
-    def _final(self, x: torch.Tensor) -> torch.Tensor:
+    def final(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows [A, γ', d] of blocks → the final-normed states of the slots that predict drafts [A, γ, d]."""
         return self.norm(x[:, 1:] if self.dconfig.layout == "fill_in" else x)
 
     def block_start(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv: ContextKV, ctx_mask: torch.Tensor,
                     gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The parallel part of drafting a block → h [A, γ, d], U [A, γ, V] fp32, the head's first state."""
-        h = self.backbone(anchors, anchor_pos, ctx_kv, ctx_mask, gamma)  # [A, γ, d]
-        state = None if self.seq_head is None else self.seq_head.init_state(anchors.shape[0], h[:, 0])
+        return self.heads_start(self.backbone(anchors, anchor_pos, ctx_kv, ctx_mask, gamma))
+
+    def heads_start(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Backbone states h [A, γ, d] → h, U [A, γ, V] fp32, the head's first state."""
+        state = None if self.seq_head is None else self.seq_head.init_state(h.shape[0], h[:, 0])
         return h, self.lm_head(h).float(), state
 
     def head_step(self, base_k: torch.Tensor, h_k: torch.Tensor, prev: torch.Tensor, state: torch.Tensor | None
@@ -124,8 +128,17 @@ class BlockDraftModel(DraftModelBase):
                      gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """A whole greedy block on tensors only (what a compiled drafter traces), each step taking the argmax
         of U_k + B_k → tokens [A, γ], peaks max_v q [A, γ], confidence logits [A, γ] (None without the head)."""
-        h, base, state = self.block_start(anchors, anchor_pos, ctx_kv, ctx_mask, gamma)
+        return self.greedy_heads(self.backbone(anchors, anchor_pos, ctx_kv, ctx_mask, gamma), anchors)
+
+    def greedy_heads(self, h: torch.Tensor, anchors: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`draft_greedy` from the backbone's states h [A, γ, d] on."""
+        h, base, state = self.heads_start(h)
+        if self.seq_head is None:  # DFlash: no step depends on the one before
+            peaks, tokens = base.softmax(-1).max(-1)  # [A, γ]
+            return tokens, peaks, None
         prev, tokens, peaks, conf = anchors, [], [], []
+        gamma = h.shape[1]
         for k in range(gamma):
             logits, z, state = self.head_step(base[:, k], h[:, k], prev, state)
             if z is not None:

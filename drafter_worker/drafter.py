@@ -1,9 +1,10 @@
 """The `Drafter` core: batched drafting for many requests over one draft model (no Ray, no gRPC).
 
 Per request it keeps only the draft context: the keys and values of positions whose target features
-were committed (all positions before the anchor). `commit` queues new features; `propose` folds them
-into the context, then drafts a block for every request in one batch. Block K/V and draft rows are
-dropped after each cycle, so a rejected draft leaves nothing behind.
+were committed (all positions before the anchor), in one slot of a `ContextCache`. `commit` queues new
+features; `propose` folds them into the context, then drafts a block for every request in one batch. Block
+K/V and draft rows count for one cycle only, so a rejected draft leaves nothing behind. On the CPU a block
+model's backbone runs on the serving kernel (`fused_block.py`), else on its modules.
 
 Draft tokens are sampled at each request's own temperature / top-k / top-p from the truncated
 distribution q'_k (top `max_q` ids, renormalised), which is sent with the block: the verifier's
@@ -18,9 +19,11 @@ from dataclasses import dataclass, field
 import torch
 import torch._inductor.config as inductor_config
 
+from drafter_worker import fused_block
 from drafter_worker.block_model import BlockDraftModel
 from drafter_worker.calibration import Calibration
 from drafter_worker.chain_model import ChainDraftModel
+from drafter_worker.context_cache import ContextCache
 from drafter_worker.proposer import StatelessProposer
 from drafter_worker.speculation import Steering
 from services.packed_linear import pack_linears
@@ -33,7 +36,6 @@ class _Context:
     positions: int = 0  # context rows folded in (positions 0..positions−1)
     pending: list[torch.Tensor] = field(default_factory=list)  # features [P, T*d] not folded in yet
     pending_start: int = 0
-    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer [Hkv, n, Dh]
     last_out: torch.Tensor | None = None  # chain models: output of the last context row [d]
 
     @property
@@ -47,7 +49,13 @@ class Drafter(StatelessProposer):
                  max_q: int = 64, seed: int = 0, compile: bool = False):
         self.model, self.calibration, self.max_q = model, calibration, max_q
         self.block = isinstance(model, BlockDraftModel)
+        if self.block:
+            fused_block.prepare(model)
         pack_linears(model)  # the CPU serving linears (services/packed_linear.py); the weights are final here
+        self.fused = fused_block.serves(model)
+        weight, attn = model.lm_head.weight, model.layers[0].self_attn if self.block else None
+        shape = None if attn is None else (attn.n_kv, attn.head_dim, weight.dtype, weight.device)
+        self.cache = ContextCache(len(model.layers) if self.block else 1, model.config.max_context, shape)
         # Greedy blocks of block models in one call: eager, or one torch.compile graph (dynamic sizes, frozen
         # weights) for the backbone, U and the head's γ sequential steps, compiled at its first block.
         self._greedy_block = None
@@ -78,6 +86,7 @@ class Drafter(StatelessProposer):
 
     def release(self, request_id: str) -> None:
         self._contexts.pop(request_id, None)
+        self.cache.release(request_id)
 
     def last_out(self, request_id: str) -> torch.Tensor:
         """Chain models: the output [d] of the request's last context row (it predicts the first draft)."""
@@ -102,11 +111,17 @@ class Drafter(StatelessProposer):
         anchor_pos = torch.tensor([len(contexts[rid]) - 1 for rid in ready], device=self.device)  # [R]
         for rid in ready:
             self.fold(rid, contexts[rid])
-        kv, mask = self.padded_context(ready)
         steer = [rid in self.steered for rid in ready]
-        tokens, q, conf, peaks = self.draft_block(anchors, anchor_pos, kv, mask, sampling, gamma, steer) \
-            if self.block else self.draft_chain(torch.stack([self.last_out(rid) for rid in ready]), anchor_pos, kv,
-                                                mask, sampling, gamma, steer)
+        if self.fused:
+            slots = torch.tensor([self.cache.slot(rid) for rid in ready])
+            h = fused_block.backbone(self.model, self.cache, anchors, anchor_pos, slots, gamma)  # [R, γ, d]
+            tokens, q, conf, peaks = self.block_heads(h, anchors, sampling, steer)
+        elif self.block:
+            tokens, q, conf, peaks = self.draft_block(anchors, anchor_pos, *self.padded_context(ready), sampling, gamma,
+                                                      steer)
+        else:
+            tokens, q, conf, peaks = self.draft_chain(torch.stack([self.last_out(rid) for rid in ready]), anchor_pos,
+                                                      *self.padded_context(ready), sampling, gamma, steer)
         for i, rid in enumerate(ready):
             q_ids, q_probs = (None, None) if q[i] is None else q[i]
             out[rid] = DraftBlock(tokens=tokens[i], q_ids=q_ids, q_probs=q_probs,
@@ -120,10 +135,10 @@ class Drafter(StatelessProposer):
         if ctx is None or ctx.known != len(tokens) - 1:
             return False
         if ctx.pending:
-            self._fold_pending(ctx, tokens)
+            self._fold_pending(rid, ctx, tokens)
         return True
 
-    def _fold_pending(self, ctx: _Context, tokens: list[int]) -> None:
+    def _fold_pending(self, rid: str, ctx: _Context, tokens: list[int]) -> None:
         taps = torch.cat(ctx.pending)[None]  # [1, P, T*d]
         positions = torch.arange(ctx.pending_start, ctx.pending_start + taps.shape[1], device=self.device)[None]
         ctx.pending = []
@@ -133,48 +148,49 @@ class Drafter(StatelessProposer):
             first, count = ctx.pending_start, taps.shape[1]
             next_tokens = torch.tensor(tokens[first + 1 : first + count + 1], device=self.device)[None]  # [1, P]
             residual, q, k, v = self.model.project(self.model.context(taps), next_tokens, positions)
-            keys = k if not ctx.kv else torch.cat([ctx.kv[0][0][None], k], dim=2)
-            values = v if not ctx.kv else torch.cat([ctx.kv[0][1][None], v], dim=2)
+            keys, values = k, v
+            if ctx.positions:
+                (old_k, old_v), = self.cache.read(rid, ctx.positions)  # [Hkv, n, Dh]
+                keys, values = torch.cat([old_k[None], k], dim=2), torch.cat([old_v[None], v], dim=2)
             n, total = q.shape[2], keys.shape[2]
             causal = torch.ones(n, total, dtype=torch.bool, device=self.device).tril(total - n)[None, None]
             ctx.last_out = self.model.finish(residual, q, keys, values, causal)[0, -1]  # [d]
             new = [(k[0], v[0])]
-        ctx.kv = new if not ctx.kv else [(torch.cat([k0, k1], 1), torch.cat([v0, v1], 1))
-                                         for (k0, v0), (k1, v1) in zip(ctx.kv, new, strict=True)]
+        self.cache.write(rid, ctx.pending_start, new)
         ctx.positions = int(positions[0, -1]) + 1
 
     def padded_context(self, rids: list[str]):
         """Per layer (k, v) [R, Hkv, S, Dh] padded to the longest context, and the mask [R, S].
         (Package-internal, as `draft_block` and `draft_chain`: `predraft.py` drafts with them.)"""
-        lengths = [self._contexts[rid].positions for rid in rids]
-        longest = max(lengths)
-        mask = torch.arange(longest, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]
-        layers = []
-        for layer in range(len(self._contexts[rids[0]].kv)):
-            ks, vs = [], []
-            for rid, n in zip(rids, lengths, strict=True):
-                k, v = self._contexts[rid].kv[layer]  # [Hkv, n, Dh]
-                pad = (0, 0, 0, longest - n)
-                ks.append(torch.nn.functional.pad(k, pad))
-                vs.append(torch.nn.functional.pad(v, pad))
-            layers.append((torch.stack(ks), torch.stack(vs)))
-        return layers, mask
+        return self.cache.padded(rids, [self._contexts[rid].positions for rid in rids])
 
     def draft_block(self, anchors, anchor_pos, kv, mask, sampling, gamma, steer=None):
+        """A block model's blocks on its modules, over contexts kv, mask (`padded_context`, or predraft's)."""
+        if all(p.greedy for p in sampling):
+            return self._greedy(self._greedy_block(anchors, anchor_pos, kv, mask, gamma))
+        return self.block_heads(self.model.backbone(anchors, anchor_pos, kv, mask, gamma), anchors, sampling, steer)
+
+    def block_heads(self, h, anchors, sampling, steer=None):
+        """A block model's drafts from its backbone states h [R, γ, d]: the head's γ sequential steps."""
         model = self.model
         if all(p.greedy for p in sampling):
-            tokens, peaks, z = self._greedy_block(anchors, anchor_pos, kv, mask, gamma)  # [R, γ] each
-            return tokens.tolist(), [None] * len(anchors), None if z is None else self._confidences(z), peaks
-        h, base, state = model.block_start(anchors, anchor_pos, kv, mask, gamma)
+            return self._greedy(fused_block.greedy_heads(model, h, anchors) if self.fused else
+                                model.greedy_heads(h, anchors))
+        h, base, state = model.heads_start(h)
         prev, steps, conf_logits = anchors, [], []
         knobs = _knobs(sampling, anchors.device)
-        for k in range(gamma):
+        for k in range(h.shape[1]):
             logits, z, state = model.head_step(base[:, k], h[:, k], prev, state)
             if z is not None:
                 conf_logits.append(z)  # [R]
             prev, draft = self._sample(logits, sampling, steer, knobs)
             steps.append(draft)
         return self._collect(steps, conf_logits)
+
+    def _greedy(self, drafted):
+        """Greedy tokens, peaks [R, γ] and confidence logits (or None) → `_collect`'s layout."""
+        tokens, peaks, z = drafted
+        return tokens.tolist(), [None] * len(tokens), None if z is None else self._confidences(z), peaks
 
     def draft_chain(self, hidden, anchor_pos, kv, mask, sampling, gamma, steer=None):
         """Chain models: hidden [R, d] the output of each context's last row (it predicts x_1)."""

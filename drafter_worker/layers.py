@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.layers import MLP, RMSNorm
+from services.layers import MLP, RMSNorm, fuse_rows
 from services.model_config import ModelConfig
+from services.packed_linear import pack
 from services.rope import apply_rotary
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [..., 1, Dh] gathered at the rows' positions
@@ -47,6 +48,22 @@ class DraftAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.scale = None  # the softmax scale is head_dim^−½, as services.layers.Attention's default
+        # As services.layers.Attention: one [q; k; v] weight (`fuse`), which the fused block path runs.
+        self.register_buffer("qkv_weight", None, persistent=False)  # [(H + 2 Hkv) Dh, d_in]
+        self.register_buffer("qkv_bias", None, persistent=False)
+        self.qkv_packed = None
+
+    def fuse(self) -> None:
+        """The three projections' weights become views of one [q; k; v] weight (names unchanged). Idempotent."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = fuse_rows(projs, "weight")
+        self.qkv_bias = None if self.q_proj.bias is None else fuse_rows(projs, "bias")
+
+    def pack_fused(self) -> int:
+        if self.qkv_weight is not None:
+            self.qkv_packed = pack(self.qkv_weight)
+        return int(self.qkv_packed is not None)
 
     def keys_values(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., N, d_in] → k, v [..., Hkv, N, Dh], k rotated to the rows' positions."""

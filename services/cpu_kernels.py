@@ -12,6 +12,7 @@ compiler; without one, or with `DSPARK_CPU_KERNELS=0`, `available` says no and t
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "kernels" / name
-           for name in ("linear.cpp", "amx.cpp", "decoder.cpp", "bindings.cpp")]
+           for name in ("linear.cpp", "amx.cpp", "decoder.cpp", "heads.cpp", "bindings.cpp")]
 
 
 def _cpu_supports(dtype: torch.dtype) -> bool:
@@ -38,7 +39,10 @@ def _module() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
         _put_ninja_on_path()
-        return load("dspark_cpu_kernels", [str(s) for s in SOURCES], extra_cflags=["-O3", "-fopenmp"],
+        # The loader rebuilds when a source changes, not a header: their hash goes into the flags, so it does.
+        headers = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(SOURCES[0].parent.glob("*.h"))))
+        flags = ["-O3", "-fopenmp", f"-DDSPARK_HEADERS={headers.hexdigest()[:16]}"]
+        return load("dspark_cpu_kernels", [str(s) for s in SOURCES], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no headers: the oneDNN path serves instead
         log.warning("CPU kernels unavailable (%s: %s); linears run on oneDNN", type(exc).__name__, exc)
@@ -95,6 +99,11 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 def decoder_layer(*args) -> torch.Tensor:
     """One decoder layer in one call (services/kernels/decoder.cpp; the arguments: services/fused_decoder.py)."""
     return _module().decoder_layer(*args)
+
+
+def markov_greedy(*args) -> list[torch.Tensor]:
+    """A greedy block of DSpark's Markov head (services/kernels/heads.cpp; arguments: drafter_worker/fused_block.py)."""
+    return _module().markov_greedy(*args)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

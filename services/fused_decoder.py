@@ -21,7 +21,7 @@ from torch import nn
 
 from services import cpu_kernels
 from services.layers import MLP, Attention, DecoderLayer
-from services.packed_linear import PackedLinear
+from services.packed_linear import PackedLinear, kernel_weight
 
 _PLAIN_LINEAR = (nn.Linear, PackedLinear)
 
@@ -33,12 +33,16 @@ def serves(model) -> bool:
         return False
     if cfg.gemma is not None or cfg.qk_norm or cfg.head_dim % 32 or not cpu_kernels.available(model.dtype):
         return False
-    return all(_plain(layer, cfg) for layer in model.model.layers)
+    return all(plain(layer, cfg) for layer in model.model.layers)
 
 
-def _plain(layer: nn.Module, cfg) -> bool:
+def plain(layer: nn.Module, cfg, kinds: tuple[type, type] = (DecoderLayer, Attention)) -> bool:
+    """Whether the kernel computes `layer`: of the classes `kinds` (layer, attention; a block drafter's are
+    its own, with the same parts), fused, SiLU, one dtype, all heads."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP:
+    if type(layer) is not kinds[0] or type(attn) is not kinds[1] or type(mlp) is not MLP:
+        return False
+    if getattr(attn, "qk_norm", False):
         return False
     if attn.qkv_weight is None or mlp.gate_up_weight is None or mlp.act is not F.silu or attn.scale is not None:
         return False
@@ -62,18 +66,15 @@ def run_layer(
     v_cache: torch.Tensor,  # [S, Hkv, L, Dh]
     slots: torch.Tensor,  # [N] int64, each row's cache slot
     positions: torch.Tensor,  # [N] int64, each row's position (where its key is written; it sees 0..it)
+    visible: torch.Tensor | None = None,  # [N] int64, the last key each row sees where not its own position
 ) -> torch.Tensor:
-    """One layer → its output [N, d]; the rows' keys and values are written into the caches."""
+    """One layer → its output [N, d]; the rows' keys and values are written into the caches (all of them
+    before any row attends, so a draft block's rows can see each other through `visible`)."""
     attn, mlp = layer.self_attn, layer.mlp
     return cpu_kernels.decoder_layer(
-        x.contiguous(), layer.input_layernorm.weight, _kernel_weight(attn.qkv_weight, attn.qkv_packed),
-        attn.qkv_bias, _kernel_weight(attn.o_proj.weight, getattr(attn.o_proj, "packed", None)), attn.o_proj.bias,
-        layer.post_attention_layernorm.weight, _kernel_weight(mlp.gate_up_weight, mlp.gate_up_packed),
-        mlp.gate_up_bias, _kernel_weight(mlp.down_proj.weight, getattr(mlp.down_proj, "packed", None)),
-        mlp.down_proj.bias, cos, sin, k_cache, v_cache, slots, positions, attn.n_heads, attn.n_kv,
+        x.contiguous(), layer.input_layernorm.weight, kernel_weight(attn.qkv_weight, attn.qkv_packed),
+        attn.qkv_bias, kernel_weight(attn.o_proj.weight, getattr(attn.o_proj, "packed", None)), attn.o_proj.bias,
+        layer.post_attention_layernorm.weight, kernel_weight(mlp.gate_up_weight, mlp.gate_up_packed),
+        mlp.gate_up_bias, kernel_weight(mlp.down_proj.weight, getattr(mlp.down_proj, "packed", None)),
+        mlp.down_proj.bias, cos, sin, k_cache, v_cache, slots, positions, visible, attn.n_heads, attn.n_kv,
         layer.input_layernorm.eps, attn.head_dim ** -0.5)
-
-
-def _kernel_weight(weight: torch.Tensor, packed) -> torch.Tensor:
-    """The weight as the kernel takes it: its AMX tile layout where `pack` made one and it is current."""
-    return packed.kernel_weight(weight) if packed is not None and packed.kernel and packed.current(weight) else weight

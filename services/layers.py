@@ -68,8 +68,8 @@ class Attention(nn.Module):
         """One [q; k; v] weight for the step forward, the three projections' weights becoming views of it, so
         checkpoint names stay and a later in-place load or optimizer step updates both. Idempotent."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_weight = _fuse(projs, "weight")
-        self.qkv_bias = None if self.q_proj.bias is None else _fuse(projs, "bias")
+        self.qkv_weight = fuse_rows(projs, "weight")
+        self.qkv_bias = None if self.q_proj.bias is None else fuse_rows(projs, "bias")
 
     def pack_fused(self) -> int:
         """Pack the fused weight (services/packed_linear.py) → 1 if packed."""
@@ -118,7 +118,7 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
-def _fuse(owners, name: str) -> torch.Tensor:
+def fuse_rows(owners, name: str) -> torch.Tensor:
     """One tensor of the owners' `name` ("weight" or "bias") stacked on dim 0, each owner's own parameter
     becoming a view of its rows."""
     parts = [getattr(o, name) for o in owners]
@@ -147,8 +147,8 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         """One [gate; up] weight (see `Attention.fuse`)."""
         projs = (self.gate_proj, self.up_proj)
-        self.gate_up_weight = _fuse(projs, "weight")
-        self.gate_up_bias = None if self.gate_proj.bias is None else _fuse(projs, "bias")
+        self.gate_up_weight = fuse_rows(projs, "weight")
+        self.gate_up_bias = None if self.gate_proj.bias is None else fuse_rows(projs, "bias")
 
     def pack_fused(self) -> int:
         if self.gate_up_weight is not None:

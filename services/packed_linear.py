@@ -86,6 +86,13 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
     return PackedWeight(packed, weight, False) if probe.shape == (1, weight.shape[0]) else None
 
 
+def kernel_weight(weight: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor:
+    """What the project's kernel takes for `weight`: its AMX tile layout where `pack` made one and it is current,
+    else the weight itself (the kernel's AVX512 / AVX2 loop reads it as it is)."""
+    return packed.tensor if packed is not None and packed.kernel and packed.tensor is not None and \
+        packed.current(weight) else weight
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None) -> torch.Tensor:
     """x [..., in] → [..., out]: as `packed` says where it is current, else `F.linear`. A compiled graph calls
@@ -98,7 +105,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if not packed.current(weight):
         return F.linear(x, weight, bias)
     if packed.kernel:
-        return cpu_kernels.linear(x, packed.kernel_weight(weight), bias)
+        return cpu_kernels.linear(x, kernel_weight(weight, packed), bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
 
 

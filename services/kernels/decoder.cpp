@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "simd.h"
 
 namespace dspark {
 namespace {
@@ -35,31 +36,6 @@ struct F32 {
   static float ld(T v) { return v; }
   static T st(float f) { return f; }
 };
-
-__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {  // fixed order: halves, then pairs
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-
-// exp of 8 floats: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial), ~1 ulp.
-__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
 
 // Scores s[0..n) (n padded to 8 with −inf by the caller) → weights exp(s − max) in place; → their sum.
 __attribute__((target("avx2,fma"))) float softmax_weights(float* s, int64_t padded) {
@@ -206,7 +182,8 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, std
                     torch::Tensor o_w, std::optional<torch::Tensor> o_b, torch::Tensor ln2, torch::Tensor gu_w,
                     std::optional<torch::Tensor> gu_b, torch::Tensor down_w, std::optional<torch::Tensor> down_b,
                     const float* cos, const float* sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                    const int64_t* slots, const int64_t* pos, const Shape& s, float eps, float scale) {
+                    const int64_t* slots, const int64_t* pos, const int64_t* seen, const Shape& s, float eps,
+                    float scale) {
   using T = typename D::T;
   const int64_t N = x.size(0), d = x.size(1), q_width = s.heads * s.dh, kv_width = s.kv_heads * s.dh;
   const auto ptr = [](torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); };
@@ -233,7 +210,7 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, std
     for (int64_t task = b; task < e; ++task) {
       const int64_t n = task / s.kv_heads, g = task % s.kv_heads;
       const int64_t base = (slots[n] * s.kv_heads + g) * s.cache_len * s.dh;
-      attend(qkv_p + n * row_width, keys + base, values + base, pos[n], scale, s, g, attn_p + n * q_width);
+      attend(qkv_p + n * row_width, keys + base, values + base, seen[n], scale, s, g, attn_p + n * q_width);
     }
   });
   auto mid = dspark::linear(attn, o_w, o_b);  // [N, d]
@@ -259,7 +236,8 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qk
                             torch::Tensor gate_up_w, std::optional<torch::Tensor> gate_up_b, torch::Tensor down_w,
                             std::optional<torch::Tensor> down_b, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor pos,
-                            int64_t n_heads, int64_t n_kv, double eps, double scale) {
+                            std::optional<torch::Tensor> visible, int64_t n_heads, int64_t n_kv, double eps,
+                            double scale) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_layer: x [N, d] contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "decoder_layer: caches [S, Hkv, L, Dh] contiguous");
@@ -271,18 +249,24 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qk
   auto sl = slots.to(torch::kLong).contiguous(), ps = pos.to(torch::kLong).contiguous();
   TORCH_CHECK(c.size(0) == x.size(0) && c.size(1) == s.dh && sl.size(0) == x.size(0) && ps.size(0) == x.size(0),
               "decoder_layer: cos, sin [N, Dh], slots, pos [N]");
+  // The last key each row sees: its own position (causal), or `visible` (a draft block sees all its rows).
+  auto vs = visible.has_value() ? visible->to(torch::kLong).contiguous() : ps;
+  TORCH_CHECK(vs.dim() == 1 && vs.size(0) == x.size(0), "decoder_layer: visible [N]");
   if (x.size(0) == 0) return x.clone();
   for (int64_t n = 0; n < x.size(0); ++n)
     TORCH_CHECK(ps.data_ptr<int64_t>()[n] >= 0 && ps.data_ptr<int64_t>()[n] < s.cache_len &&
+                    vs.data_ptr<int64_t>()[n] >= 0 && vs.data_ptr<int64_t>()[n] < s.cache_len &&
                     sl.data_ptr<int64_t>()[n] >= 0 && sl.data_ptr<int64_t>()[n] < k_cache.size(0),
                 "decoder_layer: a row beyond the cache");
   if (x.scalar_type() == torch::kBFloat16)
     return layer<Bf16>(x, ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b, c.data_ptr<float>(),
-                       sn.data_ptr<float>(), k_cache, v_cache, sl.data_ptr<int64_t>(), ps.data_ptr<int64_t>(), s,
+                       sn.data_ptr<float>(), k_cache, v_cache, sl.data_ptr<int64_t>(), ps.data_ptr<int64_t>(),
+                       vs.data_ptr<int64_t>(), s,
                        static_cast<float>(eps), static_cast<float>(scale));
   TORCH_CHECK(x.scalar_type() == torch::kFloat, "decoder_layer: bf16 or fp32");
   return layer<F32>(x, ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b, c.data_ptr<float>(),
-                    sn.data_ptr<float>(), k_cache, v_cache, sl.data_ptr<int64_t>(), ps.data_ptr<int64_t>(), s,
+                    sn.data_ptr<float>(), k_cache, v_cache, sl.data_ptr<int64_t>(), ps.data_ptr<int64_t>(),
+                       vs.data_ptr<int64_t>(), s,
                     static_cast<float>(eps), static_cast<float>(scale));
 }
 

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 namespace dspark {
 
@@ -33,6 +34,11 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qk
                             torch::Tensor gate_up_w, std::optional<torch::Tensor> gate_up_b, torch::Tensor down_w,
                             std::optional<torch::Tensor> down_b, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor pos,
-                            int64_t n_heads, int64_t n_kv, double eps, double scale);
+                            std::optional<torch::Tensor> visible, int64_t n_heads, int64_t n_kv, double eps,
+                            double scale);
+
+// heads.cpp: a greedy block of DSpark's Markov head → tokens [A, γ], peaks [A, γ], confidence logits [A | 0, γ]
+std::vector<torch::Tensor> markov_greedy(torch::Tensor U, torch::Tensor h, torch::Tensor anchors, torch::Tensor W1,
+                                         torch::Tensor W2, std::optional<torch::Tensor> conf_w, double conf_b);
 
 }  // namespace dspark

@@ -1,0 +1,87 @@
+"""Block drafters (DFlash, DSpark) on the CPU serving kernels: a block's backbone is one kernel call per layer,
+the γ greedy steps of DSpark's Markov head one more.
+
+On the module path a block of γ costs a few hundred aten calls (padding every request's context, the mask,
+per layer a dozen projections and reshapes, SDPA), more than the target's whole fused step. Here the block's
+rows are decoder rows of services/kernels/decoder.cpp over the drafter's `ContextCache`: each row writes its
+key at its own position (anchor + k) and sees keys 0..anchor + γ' − 1, that is the context strictly before
+the anchor (its injected target features) and every row of its block (bidirectional), which is the
+attention `BlockDraftModel.backbone` computes. A row is computed alone, so a request's drafts do not depend
+on what else shares the batch. Bits differ from the module path's (as the target's fused step does): drafts
+are proposals, verification alone decides what is emitted, so losslessness does not rest on them.
+
+`DSPARK_FUSED_DECODER=0` keeps the module path, as it does for the target.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from drafter_worker.block_model import BlockDraftModel
+from drafter_worker.config import HeadType
+from drafter_worker.context_cache import ContextCache
+from drafter_worker.layers import BlockLayer, DraftAttention
+from services import cpu_kernels, fused_decoder
+from services.packed_linear import kernel_weight
+
+
+def serves(model) -> bool:
+    """Whether `model`'s blocks run on the kernel here: a block model on the CPU whose layers the kernel
+    computes (after `prepare`), in a dtype the CPU's kernel serves."""
+    if os.environ.get("DSPARK_FUSED_DECODER", "1") == "0" or not isinstance(model, BlockDraftModel):
+        return False
+    cfg, weight = model.config, model.lm_head.weight
+    if weight.device.type != "cpu" or cfg.head_dim % 32 or not cpu_kernels.available(weight.dtype):
+        return False
+    return all(fused_decoder.plain(layer, cfg, (BlockLayer, DraftAttention)) for layer in model.layers)
+
+
+def prepare(model: BlockDraftModel) -> None:
+    """Fuse each layer's q/k/v and gate/up weights (checkpoint names unchanged), before they are packed."""
+    for layer in model.layers:
+        layer.self_attn.fuse()
+        layer.mlp.fuse()
+
+
+def backbone(
+    model: BlockDraftModel,
+    cache: ContextCache,
+    anchors: torch.Tensor,  # [A] int64 anchor tokens
+    anchor_pos: torch.Tensor,  # [A] int64 anchor positions (each request's context holds 0..anchor − 1)
+    slots: torch.Tensor,  # [A] int64 each block's slot in `cache`
+    gamma: int,
+) -> torch.Tensor:
+    """→ h [A, γ, d], what `BlockDraftModel.backbone` returns for the same context."""
+    width = gamma + (model.dconfig.layout == "fill_in")
+    cache.fit(int(anchor_pos.max()) + width)
+    slot_tokens = torch.full((len(anchors), width), model.dconfig.mask_token_id, dtype=torch.long)
+    slot_tokens[:, 0] = anchors  # [A, γ'] anchor, MASK, …
+    positions = (anchor_pos[:, None] + torch.arange(width)).flatten()  # [A·γ'] row k of a block at anchor + k
+    visible = (anchor_pos + width - 1).repeat_interleave(width)  # [A·γ'] every row sees its whole block
+    row_slots = slots.repeat_interleave(width)  # [A·γ']
+    table = model.rotary()
+    cos, sin = table.cos[positions], table.sin[positions]  # [A·γ', Dh] fp32
+    x = model.embed_tokens(slot_tokens.flatten())  # [A·γ', d]
+    for i, layer in enumerate(model.layers):
+        x = fused_decoder.run_layer(layer, x, cos, sin, cache.k[i], cache.v[i], row_slots, positions, visible)
+    return model.final(x.view(len(anchors), width, -1))
+
+
+def greedy_heads(model: BlockDraftModel, h: torch.Tensor, anchors: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`BlockDraftModel.greedy_heads` with a Markov head's γ steps in one kernel call (services/kernels/heads.cpp):
+    h [A, γ, d], anchors [A] → tokens [A, γ], peaks [A, γ], confidence logits [A, γ] or None. Other heads (gated,
+    rnn) and none (DFlash, already one vectorised step) keep the module path."""
+    head, conf = model.seq_head, model.confidence
+    if head is None or head.kind is not HeadType.MARKOV:
+        return model.greedy_heads(h, anchors)
+    _, base, _ = model.heads_start(h)  # U [A, γ, V] fp32
+    proj = head.markov_proj
+    conf_w = None if conf is None else conf.proj.weight.flatten()  # [d + r]
+    conf_b = 0.0 if conf is None or conf.proj.bias is None else float(conf.proj.bias)
+    tokens, peaks, z = cpu_kernels.markov_greedy(base, h.contiguous(), anchors, head.markov_embed.weight,
+                                                 kernel_weight(proj.weight, getattr(proj, "packed", None)), conf_w,
+                                                 conf_b)
+    return tokens, peaks, None if conf is None else z

@@ -1,0 +1,119 @@
+"""Block drafters on the CPU serving kernels (drafter_worker/fused_block.py): the kernel backbone computes what
+the module backbone computes over the same context, the Markov head's one-call greedy steps pick the module
+loop's tokens, a request's drafts do not depend on what shares its batch, and the context cache grows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter_worker import fused_block
+from drafter_worker.context_cache import ContextCache
+from drafter_worker.drafter import Drafter
+from services import cpu_kernels
+from services.types import SamplingParams
+from tests.conftest import make_model
+from tests.test_drafters import MASK, TAPS, draft_model
+
+GAMMA = 5
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_model(layers=3, taps=TAPS)
+
+
+def _drafter(target, method: str, dtype: torch.dtype) -> Drafter:
+    if not cpu_kernels.available(dtype):
+        pytest.skip(f"no CPU kernel for {dtype} here")
+    drafter = Drafter(draft_model(target, method).to(dtype))
+    assert drafter.fused, "a plain block model on the CPU drafts on the kernel"
+    return drafter
+
+
+def _contexts(drafter: Drafter, lengths: list[int], seed: int = 0) -> dict[str, list[int]]:
+    """Commit random features for requests of `lengths` context positions → their token lists (anchor last)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, n in enumerate(lengths):
+        rid = f"r{i}"
+        feats = torch.randn(n, drafter.model.feature_width, generator=g)
+        drafter.commit(rid, 0, feats)
+        out[rid] = torch.randint(1, MASK, (n + 1,), generator=g).tolist()
+        drafter.fold(rid, out[rid])
+    return out
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_the_kernel_backbone_computes_the_module_backbone(target, method, dtype):
+    drafter = _drafter(target, method, dtype)
+    contexts = _contexts(drafter, [7, 19, 12])
+    rids = list(contexts)
+    anchors = torch.tensor([contexts[r][-1] for r in rids])
+    anchor_pos = torch.tensor([len(contexts[r]) - 1 for r in rids])
+    kv, mask = drafter.padded_context(rids)
+    modules = drafter.model.backbone(anchors, anchor_pos, kv, mask, GAMMA).float()
+    slots = torch.tensor([drafter.cache.slot(r) for r in rids])
+    kernel = fused_block.backbone(drafter.model, drafter.cache, anchors, anchor_pos, slots, GAMMA).float()
+    bound = 1e-5 if dtype == torch.float32 else 0.03
+    assert kernel.shape == modules.shape == (3, GAMMA, drafter.model.config.hidden_size)
+    assert ((kernel - modules).norm() / modules.norm()).item() < bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_the_one_call_markov_head_picks_the_module_loops_tokens(target, dtype):
+    drafter = _drafter(target, "dspark", dtype)
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(4, GAMMA, drafter.model.config.hidden_size, generator=g).to(dtype)
+    anchors = torch.randint(1, MASK, (4,), generator=g)
+    tokens, peaks, z = drafter.model.greedy_heads(h, anchors)
+    k_tokens, k_peaks, k_z = fused_block.greedy_heads(drafter.model, h, anchors)
+    assert k_tokens.tolist() == tokens.tolist()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(k_peaks, peaks, rtol=tol, atol=tol)
+    torch.testing.assert_close(k_z, z, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+@torch.no_grad()
+def test_a_requests_fused_drafts_do_not_depend_on_its_batch(target, method):
+    dtype = torch.bfloat16 if cpu_kernels.available(torch.bfloat16) else torch.float32
+    alone, together = _drafter(target, method, dtype), _drafter(target, method, dtype)
+    lengths = [11, 4, 23, 9]
+    ctx_alone, ctx_together = _contexts(alone, lengths), _contexts(together, lengths)
+    greedy = {rid: SamplingParams() for rid in ctx_alone}
+    batch = together.propose(ctx_together, GAMMA, greedy)
+    for rid in ctx_alone:
+        one = alone.propose({rid: ctx_alone[rid]}, GAMMA, greedy)[rid]
+        assert one.tokens == batch[rid].tokens
+        assert one.confidences == batch[rid].confidences and one.peaks == batch[rid].peaks
+
+
+def test_the_fused_path_can_be_turned_off(target, monkeypatch):
+    monkeypatch.setenv("DSPARK_FUSED_DECODER", "0")
+    assert not Drafter(draft_model(target, "dspark")).fused
+
+
+def test_the_context_cache_grows_in_slots_and_length():
+    cache = ContextCache(layers=2, max_len=600, slots=2, length=8)  # its shape from the first write
+    written = {}
+    for i in range(5):  # past 2 slots, then 4
+        rid = f"r{i}"
+        n = 10 + 100 * i  # past the first length, up to 410
+        kv = [(torch.randn(1, n, 4), torch.randn(1, n, 4)) for _ in range(2)]
+        cache.write(rid, 0, kv)
+        written[rid] = kv
+    assert cache.k[0].shape[0] >= 5 and cache.length >= 410
+    for rid, kv in written.items():
+        n = kv[0][0].shape[1]
+        for (k, v), (rk, rv) in zip(kv, cache.read(rid, n), strict=True):
+            assert torch.equal(k, rk) and torch.equal(v, rv)
+    (k, _), _ = cache.padded(["r1", "r0"], [110, 10])[0]
+    assert k.shape == (2, 1, 110, 4) and torch.equal(k[1, :, :10], written["r0"][0][0])
+    cache.release("r0")
+    assert cache.slot("new") == 0  # a released slot serves the next request
+    with pytest.raises(ValueError, match="beyond"):
+        cache.fit(601)
