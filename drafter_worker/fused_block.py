@@ -33,7 +33,8 @@ def serves(model) -> bool:
     if os.environ.get("DSPARK_FUSED_DECODER", "1") == "0" or not isinstance(model, BlockDraftModel):
         return False
     cfg, weight = model.config, model.lm_head.weight
-    if weight.device.type != "cpu" or cfg.head_dim % 32 or not cpu_kernels.available(weight.dtype):
+    if weight.device.type != "cpu" or cfg.head_dim % 32 or cfg.head_dim > 256 \
+            or not cpu_kernels.available(weight.dtype):
         return False
     return all(fused_decoder.plain(layer, cfg, (BlockLayer, DraftAttention)) for layer in model.layers)
 

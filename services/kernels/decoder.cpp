@@ -17,39 +17,15 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
+#include "attend.h"
 #include "simd.h"
 
 namespace dspark {
 namespace {
-
-struct Bf16 {
-  using T = uint16_t;
-  static float ld(T v) { return from_bf16(v); }
-  static T st(float f) { return to_bf16(f); }
-};
-
-struct F32 {
-  using T = float;
-  static float ld(T v) { return v; }
-  static T st(float f) { return f; }
-};
-
-// Scores s[0..n) (n padded to 8 with −inf by the caller) → weights exp(s − max) in place; → their sum.
-__attribute__((target("avx2,fma"))) float softmax_weights(float* s, int64_t padded) {
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < padded; ++j) top = std::max(top, s[j]);
-  const __m256 m = _mm256_set1_ps(top);
-  __m256 total = _mm256_setzero_ps();
-  for (int64_t j = 0; j < padded; j += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
-    _mm256_storeu_ps(s + j, e);
-    total = _mm256_add_ps(total, e);
-  }
-  return hsum8(total);
-}
 
 // silu(g) · u of one row's F gate and F up values (fp32), each rounded once to the dtype.
 template <class D>
@@ -64,85 +40,6 @@ __attribute__((target("avx2,fma"))) void silu_mul_row(const typename D::T* gu, t
     _mm256_store_ps(r, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_load_ps(u)));
     for (int64_t i = 0; i < n; ++i) out[f + i] = D::st(r[i]);
   }
-}
-
-// The dot product of a query and a key of Dh values, and acc += w · v over Dh, per dtype.
-__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) inline float dot(const uint16_t* q, const uint16_t* k,
-                                                                               int64_t dh) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < dh; i += 32)
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + i), (__m512bh)_mm512_loadu_si512(k + i));
-  return _mm512_reduce_add_ps(acc);
-}
-
-__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) inline void axpy(float w, const uint16_t* v, float* acc,
-                                                                               int64_t dh) {
-  const __m512 wv = _mm512_set1_ps(w);
-  for (int64_t i = 0; i < dh; i += 16) {
-    const __m512 vv = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i))), 16));
-    _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(wv, vv, _mm512_loadu_ps(acc + i)));
-  }
-}
-
-__attribute__((target("avx2,fma"))) inline float dot(const float* q, const float* k, int64_t dh) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < dh; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
-  return hsum8(acc);
-}
-
-__attribute__((target("avx2,fma"))) inline void axpy(float w, const float* v, float* acc, int64_t dh) {
-  const __m256 wv = _mm256_set1_ps(w);
-  for (int64_t i = 0; i < dh; i += 8)
-    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
-}
-
-struct Shape {
-  int64_t heads, kv_heads, dh, cache_len;
-};
-
-// The query heads of one key head for one row, over keys 0..p of its slot → out (that row's H·Dh values).
-// No target of its own: always inlined into `attend_bf16` / `attend_fp32`, whose targets let the dtype's `dot`
-// and `axpy` inline into it, while the fp32 path holds no AVX-512 code.
-template <class D>
-__attribute__((always_inline)) inline void attend_task(
-    const typename D::T* q_row, const typename D::T* keys, const typename D::T* values, int64_t p, float scale,
-    const Shape& s, int64_t g, typename D::T* out_row) {
-  const int64_t group = s.heads / s.kv_heads, n = p + 1, padded = (n + 7) / 8 * 8;
-  std::vector<float> score(padded), acc(s.dh);
-  for (int64_t t = 0; t < group; ++t) {
-    const int64_t h = g * group + t;
-    const typename D::T* q = q_row + h * s.dh;
-    for (int64_t j = 0; j < n; ++j) score[j] = dot(q, keys + j * s.dh, s.dh) * scale;
-    std::fill(score.begin() + n, score.end(), -std::numeric_limits<float>::infinity());
-    const float total = softmax_weights(score.data(), padded);
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t j = 0; j < n; ++j) axpy(score[j], values + j * s.dh, acc.data(), s.dh);
-    const float inv = 1.f / total;
-    for (int64_t i = 0; i < s.dh; ++i) out_row[h * s.dh + i] = D::st(acc[i] * inv);
-  }
-}
-
-__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl,avx2,fma"))) void attend_bf16(
-    const uint16_t* q_row, const uint16_t* keys, const uint16_t* values, int64_t p, float scale, const Shape& s,
-    int64_t g, uint16_t* out_row) {
-  attend_task<Bf16>(q_row, keys, values, p, scale, s, g, out_row);
-}
-
-__attribute__((target("avx2,fma"))) void attend_fp32(const float* q_row, const float* keys, const float* values,
-                                                      int64_t p, float scale, const Shape& s, int64_t g,
-                                                      float* out_row) {
-  attend_task<F32>(q_row, keys, values, p, scale, s, g, out_row);
-}
-
-inline void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t p, float scale, const Shape& s,
-                   int64_t g, uint16_t* out) {
-  attend_bf16(q, k, v, p, scale, s, g, out);
-}
-
-inline void attend(const float* q, const float* k, const float* v, int64_t p, float scale, const Shape& s, int64_t g,
-                   float* out) {
-  attend_fp32(q, k, v, p, scale, s, g, out);
 }
 
 template <class D>
@@ -177,6 +74,103 @@ void add_into(const typename D::T* a, const typename D::T* b, typename D::T* out
   for (int64_t i = 0; i < count; ++i) out[i] = D::st(D::ld(a[i]) + D::ld(b[i]));
 }
 
+// bf16 rows 16 values at a time (AVX512-BF16), rounded where the scalar templates above round (to nearest even,
+// as torch; `vcvtneps2bf16` treats denormal inputs as zero, values no activation here reaches). The scalar
+// templates serve fp32, where there is nothing to widen or round and the compiler vectorises them.
+#define DSPARK_BF16 __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl,avx2,fma")))
+
+inline __mmask16 first(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
+
+DSPARK_BF16 inline __m512 ld16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+DSPARK_BF16 inline void st16(uint16_t* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+DSPARK_BF16 inline __m512 round16(__m512 v) {  // v rounded to bf16, as fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+DSPARK_BF16 void norm_row_bf16(const uint16_t* row, const uint16_t* w, uint16_t* out, int64_t d, float eps) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) {
+    const __m512 v = ld16(row + i, first(d - i));
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(d) + eps));
+  for (int64_t i = 0; i < d; i += 16) {
+    const __mmask16 m = first(d - i);
+    st16(out + i, _mm512_mul_ps(ld16(w + i, m), round16(_mm512_mul_ps(ld16(row + i, m), r))), m);
+  }
+}
+
+void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t N, int64_t d, float eps) {
+  at::parallel_for(0, N, 8, [&](int64_t b, int64_t e) {  // a lambda takes no target: the row function has it
+    for (int64_t n = b; n < e; ++n) norm_row_bf16(x + n * d, w, out + n * d, d, eps);
+  });
+}
+
+DSPARK_BF16 void rotate_bf16(uint16_t* x, int64_t heads, int64_t dh, const float* cos, const float* sin) {
+  const int64_t half = dh / 2;  // a multiple of 16: the kernel serves head_dim a multiple of 32
+  for (int64_t h = 0; h < heads; ++h) {
+    uint16_t* v = x + h * dh;
+    for (int64_t i = 0; i < half; i += 16) {
+      const __m512 a = ld16(v + i, 0xFFFF), b = ld16(v + i + half, 0xFFFF);
+      st16(v + i, _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(cos + i)), _mm512_mul_ps(b, _mm512_loadu_ps(sin + i))),
+           0xFFFF);
+      st16(v + i + half, _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(cos + i + half)),
+                                       _mm512_mul_ps(a, _mm512_loadu_ps(sin + i + half))), 0xFFFF);
+    }
+  }
+}
+
+DSPARK_BF16 void add_into_bf16(const uint16_t* a, const uint16_t* b, uint16_t* out, int64_t count) {
+  for (int64_t i = 0; i < count; i += 16) {
+    const __mmask16 m = first(count - i);
+    st16(out + i, _mm512_add_ps(ld16(a + i, m), ld16(b + i, m)), m);
+  }
+}
+
+DSPARK_BF16 void silu_mul_row_bf16(const uint16_t* gu, uint16_t* out, int64_t F) {
+  for (int64_t f = 0; f < F; f += 16) {
+    const __mmask16 m = first(F - f);
+    const __m512 g = ld16(gu + f, m), u = ld16(gu + F + f, m);
+    const __m256 lo = _mm512_castps512_ps256(g), hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g), 1));
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    const __m256 s_lo = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, lo))));
+    const __m256 s_hi = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, hi))));
+    const __m512 sig = _mm512_castpd_ps(
+        _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(s_lo)), _mm256_castps_pd(s_hi), 1));
+    st16(out + f, _mm512_mul_ps(_mm512_mul_ps(g, sig), u), m);
+  }
+}
+
+template <class D>
+void norm_rows(const typename D::T* x, const typename D::T* w, typename D::T* out, int64_t N, int64_t d, float eps) {
+  if constexpr (std::is_same_v<D, Bf16>) rms_norm_bf16(x, w, out, N, d, eps);
+  else rms_norm<D>(x, w, out, N, d, eps);
+}
+
+template <class D>
+void rotate_row(typename D::T* x, int64_t heads, int64_t dh, const float* cos, const float* sin) {
+  if constexpr (std::is_same_v<D, Bf16>) rotate_bf16(x, heads, dh, cos, sin);
+  else rotate<D>(x, heads, dh, cos, sin);
+}
+
+template <class D>
+void add_rows(const typename D::T* a, const typename D::T* b, typename D::T* out, int64_t count) {
+  if constexpr (std::is_same_v<D, Bf16>) add_into_bf16(a, b, out, count);
+  else add_into<D>(a, b, out, count);
+}
+
+template <class D>
+void silu_mul(const typename D::T* gu, typename D::T* out, int64_t F) {
+  if constexpr (std::is_same_v<D, Bf16>) silu_mul_row_bf16(gu, out, F);
+  else silu_mul_row<D>(gu, out, F);
+}
+
 template <class D>
 torch::Tensor layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, std::optional<torch::Tensor> qkv_b,
                     torch::Tensor o_w, std::optional<torch::Tensor> o_b, torch::Tensor ln2, torch::Tensor gu_w,
@@ -188,7 +182,7 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, std
   const int64_t N = x.size(0), d = x.size(1), q_width = s.heads * s.dh, kv_width = s.kv_heads * s.dh;
   const auto ptr = [](torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); };
   auto h = torch::empty_like(x);
-  rms_norm<D>(ptr(x), ptr(ln1), ptr(h), N, d, eps);
+  norm_rows<D>(ptr(x), ptr(ln1), ptr(h), N, d, eps);
   auto qkv = dspark::linear(h, qkv_w, qkv_b);  // [N, (H + 2 Hkv) Dh]
   TORCH_CHECK(qkv.size(1) == q_width + 2 * kv_width, "decoder_layer: qkv weight of (H + 2 Hkv) Dh outputs");
   T* keys = ptr(k_cache);
@@ -197,7 +191,7 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, std
   T* qkv_p = ptr(qkv);
   for (int64_t n = 0; n < N; ++n) {  // every row's key in the cache before any row attends
     T* row = qkv_p + n * row_width;
-    rotate<D>(row, s.heads + s.kv_heads, s.dh, cos + n * s.dh, sin + n * s.dh);
+    rotate_row<D>(row, s.heads + s.kv_heads, s.dh, cos + n * s.dh, sin + n * s.dh);
     for (int64_t g = 0; g < s.kv_heads; ++g) {
       const int64_t at = ((slots[n] * s.kv_heads + g) * s.cache_len + pos[n]) * s.dh;
       std::memcpy(keys + at, row + q_width + g * s.dh, s.dh * sizeof(T));
@@ -215,17 +209,17 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, std
   });
   auto mid = dspark::linear(attn, o_w, o_b);  // [N, d]
   TORCH_CHECK(mid.size(1) == d, "decoder_layer: o-proj of d outputs");
-  add_into<D>(ptr(x), ptr(mid), ptr(mid), N * d);  // mid = x + attention
-  rms_norm<D>(ptr(mid), ptr(ln2), ptr(h), N, d, eps);
+  add_rows<D>(ptr(x), ptr(mid), ptr(mid), N * d);  // mid = x + attention
+  norm_rows<D>(ptr(mid), ptr(ln2), ptr(h), N, d, eps);
   auto gu = dspark::linear(h, gu_w, gu_b);  // [N, 2F]: gate, then up
   const int64_t F = gu.size(1) / 2;
   auto act = torch::empty({N, F}, x.options());
   at::parallel_for(0, N, 1, [&](int64_t b, int64_t e) {
-    for (int64_t n = b; n < e; ++n) silu_mul_row<D>(ptr(gu) + n * 2 * F, ptr(act) + n * F, F);
+    for (int64_t n = b; n < e; ++n) silu_mul<D>(ptr(gu) + n * 2 * F, ptr(act) + n * F, F);
   });
   auto out = dspark::linear(act, down_w, down_b);
   TORCH_CHECK(out.size(1) == d, "decoder_layer: down-proj of d outputs");
-  add_into<D>(ptr(mid), ptr(out), ptr(out), N * d);
+  add_rows<D>(ptr(mid), ptr(out), ptr(out), N * d);
   return out;
 }
 
