@@ -31,7 +31,9 @@ def serves(model) -> bool:
     cfg = model.config
     if os.environ.get("DSPARK_FUSED_DECODER", "1") == "0" or model.device.type != "cpu":
         return False
-    if cfg.gemma is not None or cfg.qk_norm or cfg.head_dim % 32 or cfg.head_dim > 256 or not cpu_kernels.available(model.dtype):
+    if cfg.gemma is not None or cfg.qk_norm or cfg.head_dim % 32 or cfg.head_dim > 256:
+        return False
+    if not cpu_kernels.available(model.dtype):
         return False
     return all(plain(layer, cfg) for layer in model.model.layers)
 
