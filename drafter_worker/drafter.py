@@ -142,8 +142,10 @@ class Drafter(StatelessProposer):
         taps = torch.cat(ctx.pending)[None]  # [1, P, T*d]
         positions = torch.arange(ctx.pending_start, ctx.pending_start + taps.shape[1], device=self.device)[None]
         ctx.pending = []
-        if self.block:
-            new = [(k[0], v[0]) for k, v in self.model.context_kv(taps, positions)]
+        if self.fused:
+            fused_block.fold(self.model, self.cache, self.cache.slot(rid), taps[0], ctx.pending_start)
+        elif self.block:
+            self.cache.write(rid, ctx.pending_start, [(k[0], v[0]) for k, v in self.model.context_kv(taps, positions)])
         else:
             first, count = ctx.pending_start, taps.shape[1]
             next_tokens = torch.tensor(tokens[first + 1 : first + count + 1], device=self.device)[None]  # [1, P]
@@ -155,8 +157,7 @@ class Drafter(StatelessProposer):
             n, total = q.shape[2], keys.shape[2]
             causal = torch.ones(n, total, dtype=torch.bool, device=self.device).tril(total - n)[None, None]
             ctx.last_out = self.model.finish(residual, q, keys, values, causal)[0, -1]  # [d]
-            new = [(k[0], v[0])]
-        self.cache.write(rid, ctx.pending_start, new)
+            self.cache.write(rid, ctx.pending_start, [(k[0], v[0])])
         ctx.positions = int(positions[0, -1]) + 1
 
     def padded_context(self, rids: list[str]):

@@ -46,6 +46,20 @@ def prepare(model: BlockDraftModel) -> None:
         layer.mlp.fuse()
 
 
+def fold(model: BlockDraftModel, cache: ContextCache, slot: int, taps: torch.Tensor, start: int) -> None:
+    """`BlockDraftModel.context_kv` into the cache on the kernel: target features taps [P, T*d] of positions
+    start..start+P−1 → every layer's context keys and values in `slot` (one kernel call per layer)."""
+    ctx = model.context(taps).contiguous()  # [P, d]
+    cache.fit(start + len(ctx))
+    positions = torch.arange(start, start + len(ctx))
+    table = model.rotary()
+    cos, sin = table.cos[positions], table.sin[positions]  # [P, Dh] fp32
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        cpu_kernels.context_rows(ctx, kernel_weight(attn.kv_weight, attn.kv_packed), attn.kv_bias, cos, sin,
+                                 cache.k[i], cache.v[i], slot, start)
+
+
 def backbone(
     model: BlockDraftModel,
     cache: ContextCache,

@@ -52,17 +52,21 @@ class DraftAttention(nn.Module):
         # As services.layers.Attention: one [q; k; v] weight (`fuse`), which the fused block path runs.
         self.register_buffer("qkv_weight", None, persistent=False)  # [(H + 2 Hkv) Dh, d_in]
         self.register_buffer("qkv_bias", None, persistent=False)
-        self.qkv_packed = None
+        self.qkv_packed = self.kv_packed = None
+        self.kv_weight = self.kv_bias = None  # its [k; v] rows: what injected context rows need
 
     def fuse(self) -> None:
         """The three projections' weights become views of one [q; k; v] weight (names unchanged). Idempotent."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         self.qkv_weight = fuse_rows(projs, "weight")
         self.qkv_bias = None if self.q_proj.bias is None else fuse_rows(projs, "bias")
+        q_width = self.n_heads * self.head_dim
+        self.kv_weight = self.qkv_weight[q_width:]
+        self.kv_bias = None if self.qkv_bias is None else self.qkv_bias[q_width:]
 
     def pack_fused(self) -> int:
         if self.qkv_weight is not None:
-            self.qkv_packed = pack(self.qkv_weight)
+            self.qkv_packed, self.kv_packed = pack(self.qkv_weight), pack(self.kv_weight)
         return int(self.qkv_packed is not None)
 
     def keys_values(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:

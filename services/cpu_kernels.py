@@ -101,6 +101,11 @@ def decoder_layer(*args) -> torch.Tensor:
     return _module().decoder_layer(*args)
 
 
+def context_rows(*args) -> None:
+    """Context rows' keys and values into a cache slot (services/kernels/decoder.cpp; drafter_worker/fused_block.py)."""
+    _module().context_rows(*args)
+
+
 def markov_greedy(*args) -> list[torch.Tensor]:
     """A greedy block of DSpark's Markov head (services/kernels/heads.cpp; arguments: drafter_worker/fused_block.py)."""
     return _module().markov_greedy(*args)

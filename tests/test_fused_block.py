@@ -117,3 +117,21 @@ def test_the_context_cache_grows_in_slots_and_length():
     assert cache.slot("new") == 0  # a released slot serves the next request
     with pytest.raises(ValueError, match="beyond"):
         cache.fit(601)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_folding_on_the_kernel_writes_the_modules_context(target, dtype):
+    """Context rows folded by the kernel (`fused_block.fold`) hold the keys and values `context_kv` computes."""
+    drafter = _drafter(target, "dspark", dtype)
+    contexts = _contexts(drafter, [13])
+    g = torch.Generator().manual_seed(5)
+    taps = torch.randn(4, drafter.model.feature_width, generator=g)
+    drafter.commit("r0", 13, taps)
+    drafter.fold("r0", contexts["r0"] + [1, 2, 3, 4])
+    assert drafter.context_length("r0") == 17
+    expected = drafter.model.context_kv(taps[None].to(dtype), torch.arange(13, 17)[None])
+    bound = 1e-5 if dtype == torch.float32 else 0.03
+    for (k, v), (ek, ev) in zip(drafter.cache.read("r0", 17), expected, strict=True):
+        for got, want in ((k[:, 13:], ek[0]), (v[:, 13:], ev[0])):
+            assert ((got.float() - want.float()).norm() / want.float().norm()).item() < bound

@@ -171,6 +171,23 @@ void silu_mul(const typename D::T* gu, typename D::T* out, int64_t F) {
   else silu_mul_row<D>(gu, out, F);
 }
 
+// Rows [q (heads), k, v] of `width` values: q and k rotated in place, k and v written at each row's slot and
+// position.
+template <class D>
+void store_rows(typename D::T* rows, int64_t N, int64_t width, int64_t q_heads, const float* cos, const float* sin,
+                typename D::T* keys, typename D::T* values, const int64_t* slots, const int64_t* pos, const Shape& s) {
+  const int64_t k_at = q_heads * s.dh, v_at = k_at + s.kv_heads * s.dh;
+  for (int64_t n = 0; n < N; ++n) {
+    typename D::T* row = rows + n * width;
+    rotate_row<D>(row, q_heads + s.kv_heads, s.dh, cos + n * s.dh, sin + n * s.dh);
+    for (int64_t g = 0; g < s.kv_heads; ++g) {
+      const int64_t at = ((slots[n] * s.kv_heads + g) * s.cache_len + pos[n]) * s.dh;
+      std::memcpy(keys + at, row + k_at + g * s.dh, s.dh * sizeof(typename D::T));
+      std::memcpy(values + at, row + v_at + g * s.dh, s.dh * sizeof(typename D::T));
+    }
+  }
+}
+
 template <class D>
 torch::Tensor layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, std::optional<torch::Tensor> qkv_b,
                     torch::Tensor o_w, std::optional<torch::Tensor> o_b, torch::Tensor ln2, torch::Tensor gu_w,
@@ -189,15 +206,8 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, std
   T* values = ptr(v_cache);
   const int64_t row_width = q_width + 2 * kv_width;
   T* qkv_p = ptr(qkv);
-  for (int64_t n = 0; n < N; ++n) {  // every row's key in the cache before any row attends
-    T* row = qkv_p + n * row_width;
-    rotate_row<D>(row, s.heads + s.kv_heads, s.dh, cos + n * s.dh, sin + n * s.dh);
-    for (int64_t g = 0; g < s.kv_heads; ++g) {
-      const int64_t at = ((slots[n] * s.kv_heads + g) * s.cache_len + pos[n]) * s.dh;
-      std::memcpy(keys + at, row + q_width + g * s.dh, s.dh * sizeof(T));
-      std::memcpy(values + at, row + q_width + kv_width + g * s.dh, s.dh * sizeof(T));
-    }
-  }
+  // every row's key in the cache before any row attends
+  store_rows<D>(qkv_p, N, row_width, s.heads, cos, sin, keys, values, slots, pos, s);
   auto attn = torch::empty({N, q_width}, x.options());
   T* attn_p = ptr(attn);
   at::parallel_for(0, N * s.kv_heads, 1, [&](int64_t b, int64_t e) {
@@ -224,6 +234,30 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, std
 }
 
 }  // namespace
+
+void context_rows(torch::Tensor x, torch::Tensor kv_w, std::optional<torch::Tensor> kv_b, torch::Tensor cos,
+                  torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, int64_t slot, int64_t start) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && k_cache.dim() == 4 && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == x.scalar_type(),
+              "context_rows: x [P, d], caches [S, Hkv, L, Dh] contiguous, one dtype");
+  const int64_t P = x.size(0);
+  const Shape s{0, k_cache.size(1), k_cache.size(3), k_cache.size(2)};
+  TORCH_CHECK(slot >= 0 && slot < k_cache.size(0) && start >= 0 && start + P <= s.cache_len,
+              "context_rows: rows beyond the cache");
+  auto c = cos.to(torch::kFloat).contiguous(), sn = sin.to(torch::kFloat).contiguous();
+  TORCH_CHECK(c.size(0) == P && c.size(1) == s.dh, "context_rows: cos, sin [P, Dh]");
+  auto kv = dspark::linear(x, kv_w, kv_b);  // [P, 2 Hkv Dh]
+  TORCH_CHECK(kv.size(1) == 2 * s.kv_heads * s.dh, "context_rows: a k/v weight of 2 Hkv Dh outputs");
+  std::vector<int64_t> slots(P, slot), pos(P);
+  for (int64_t i = 0; i < P; ++i) pos[i] = start + i;
+  if (x.scalar_type() == torch::kBFloat16)
+    store_rows<Bf16>(reinterpret_cast<uint16_t*>(kv.data_ptr()), P, kv.size(1), 0, c.data_ptr<float>(),
+                     sn.data_ptr<float>(), reinterpret_cast<uint16_t*>(k_cache.data_ptr()),
+                     reinterpret_cast<uint16_t*>(v_cache.data_ptr()), slots.data(), pos.data(), s);
+  else
+    store_rows<F32>(kv.data_ptr<float>(), P, kv.size(1), 0, c.data_ptr<float>(), sn.data_ptr<float>(),
+                    k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slots.data(), pos.data(), s);
+}
 
 torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, std::optional<torch::Tensor> qkv_b,
                             torch::Tensor o_w, std::optional<torch::Tensor> o_b, torch::Tensor ln2,

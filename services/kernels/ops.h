@@ -37,6 +37,10 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qk
                             std::optional<torch::Tensor> visible, int64_t n_heads, int64_t n_kv, double eps,
                             double scale);
 
+// decoder.cpp: context rows x [P, d] → their keys (rotated) and values at positions start.. of a cache slot
+void context_rows(torch::Tensor x, torch::Tensor kv_w, std::optional<torch::Tensor> kv_b, torch::Tensor cos,
+                  torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, int64_t slot, int64_t start);
+
 // heads.cpp: a greedy block of DSpark's Markov head → tokens [A, γ], peaks [A, γ], confidence logits [A | 0, γ]
 std::vector<torch::Tensor> markov_greedy(torch::Tensor U, torch::Tensor h, torch::Tensor anchors, torch::Tensor W1,
                                          torch::Tensor W2, std::optional<torch::Tensor> conf_w, double conf_b);
