@@ -14,6 +14,7 @@ AVX2; not Gemma, q/k norms or tensor-parallel shards (their layers are not these
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -72,11 +73,34 @@ def run_layer(
 ) -> torch.Tensor:
     """One layer → its output [N, d]; the rows' keys and values are written into the caches (all of them
     before any row attends, so a draft block's rows can see each other through `visible`)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return cpu_kernels.decoder_layer(
-        x.contiguous(), layer.input_layernorm.weight, kernel_weight(attn.qkv_weight, attn.qkv_packed),
-        attn.qkv_bias, kernel_weight(attn.o_proj.weight, getattr(attn.o_proj, "packed", None)), attn.o_proj.bias,
-        layer.post_attention_layernorm.weight, kernel_weight(mlp.gate_up_weight, mlp.gate_up_packed),
-        mlp.gate_up_bias, kernel_weight(mlp.down_proj.weight, getattr(mlp.down_proj, "packed", None)),
-        mlp.down_proj.bias, cos, sin, k_cache, v_cache, slots, positions, visible, attn.n_heads, attn.n_kv,
-        layer.input_layernorm.eps, attn.head_dim ** -0.5)
+    weights, shape = _weights(layer)
+    return cpu_kernels.decoder_layer(x.contiguous(), *weights, cos, sin, k_cache, v_cache, slots, positions, visible,
+                                     *shape)
+
+
+# Per layer, its weights as the kernel takes them: walking a layer's modules for them costs 15 µs, a third of the
+# kernel itself at one row. Kept while current: the fused buffers are the same objects (`.to()` replaces them),
+# the packed weights' `current` holds (an in-place change or a new storage makes them stale); parameters are
+# held as themselves, so a `.to()` that swaps their data reaches the kernel anyway.
+_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _weights(layer: nn.Module) -> tuple[tuple, tuple]:
+    """→ (the kernel's weight arguments, (heads, kv heads, eps, softmax scale))."""
+    attn, mlp = layer._modules["self_attn"], layer._modules["mlp"]  # not Module.__getattr__'s slow path
+    memo = _MEMO.get(layer)
+    if memo is not None:
+        qkv, gate_up, checks, weights, shape = memo
+        if attn._buffers.get("qkv_weight") is qkv and mlp._buffers.get("gate_up_weight") is gate_up and all(
+                packed is None or packed.current(w) for w, packed in checks):
+            return weights, shape
+    o_packed, down_packed = getattr(attn.o_proj, "packed", None), getattr(mlp.down_proj, "packed", None)
+    weights = (layer.input_layernorm.weight, kernel_weight(attn.qkv_weight, attn.qkv_packed), attn.qkv_bias,
+               kernel_weight(attn.o_proj.weight, o_packed), attn.o_proj.bias, layer.post_attention_layernorm.weight,
+               kernel_weight(mlp.gate_up_weight, mlp.gate_up_packed), mlp.gate_up_bias,
+               kernel_weight(mlp.down_proj.weight, down_packed), mlp.down_proj.bias)
+    checks = ((attn.qkv_weight, attn.qkv_packed), (attn.o_proj.weight, o_packed),
+              (mlp.gate_up_weight, mlp.gate_up_packed), (mlp.down_proj.weight, down_packed))
+    shape = (attn.n_heads, attn.n_kv, layer.input_layernorm.eps, attn.head_dim ** -0.5)
+    _MEMO[layer] = (attn.qkv_weight, mlp.gate_up_weight, checks, weights, shape)
+    return weights, shape

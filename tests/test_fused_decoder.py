@@ -120,3 +120,29 @@ def test_a_row_beyond_the_cache_is_refused_before_anything_is_written():
     with pytest.raises(RuntimeError, match="beyond the cache"):
         fused_decoder.run_layer(layer, x, cos, sin, k, v, torch.tensor([0]), torch.tensor([8]))
     assert not k.any() and not v.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_changed_after_a_step_reach_the_kernel(dtype):
+    """The kernel's weights are gathered once per layer (fused_decoder._weights) and kept only while current:
+    an in-place change of a packed weight, or a `.to()` that replaces the fused buffers, is seen at the next step."""
+    _need(dtype)
+    model = _model(dtype)
+    before = _steps(model, STEPS[:1])[0][0]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(-1.5)  # in place: the packed copy goes stale
+    changed = _steps(model, STEPS[:1])[0][0]
+    fresh = _model(dtype)
+    with torch.no_grad():
+        for layer in fresh.model.layers:
+            layer.mlp.down_proj.weight.mul_(-1.5)
+    fresh.prepare_for_serving()  # packs the changed weights
+    assert not torch.equal(before, changed)
+    bound = 1e-5 if dtype == torch.float32 else 5e-3  # bf16: a stale AMX copy runs the AVX512 loop, another order
+    assert (changed.float() - _steps(fresh, STEPS[:1])[0][0].float()).norm() <= bound * changed.float().norm()
+    if dtype == torch.bfloat16 and cpu_kernels.available(torch.float32):
+        model.float()  # new fused buffers, new parameter storage
+        model.prepare_for_serving()
+        as_fp32 = _steps(model, STEPS[:1])[0][0]
+        assert as_fp32.dtype == torch.float32
