@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch._inductor.config as inductor_config
 
-from drafter_worker import fused_block
+from drafter_worker import fused_block, fused_chain
 from drafter_worker.block_model import BlockDraftModel
 from drafter_worker.calibration import Calibration
 from drafter_worker.chain_model import ChainDraftModel
@@ -49,11 +49,11 @@ class Drafter(StatelessProposer):
                  max_q: int = 64, seed: int = 0, compile: bool = False):
         self.model, self.calibration, self.max_q = model, calibration, max_q
         self.block = isinstance(model, BlockDraftModel)
-        if self.block:
-            fused_block.prepare(model)
+        (fused_block if self.block else fused_chain).prepare(model)
         pack_linears(model)  # the CPU serving linears (services/packed_linear.py); the weights are final here
-        self.fused = fused_block.serves(model)
-        weight, attn = model.lm_head.weight, model.layers[0].self_attn if self.block else None
+        self.fused = fused_block.serves(model) if self.block else fused_chain.serves(model)
+        weight = model.lm_head.weight
+        attn = model.layers[0].self_attn if self.block else model.layer.self_attn if self.fused else None
         shape = None if attn is None else (attn.n_kv, attn.head_dim, weight.dtype, weight.device)
         self.cache = ContextCache(len(model.layers) if self.block else 1, model.config.max_context, shape)
         # Greedy blocks of block models in one call: eager, or one torch.compile graph (dynamic sizes, frozen
@@ -112,10 +112,13 @@ class Drafter(StatelessProposer):
         for rid in ready:
             self.fold(rid, contexts[rid])
         steer = [rid in self.steered for rid in ready]
-        if self.fused:
-            slots = torch.tensor([self.cache.slot(rid) for rid in ready])
+        slots = torch.tensor([self.cache.slot(rid) for rid in ready])
+        if self.fused and self.block:
             h = fused_block.backbone(self.model, self.cache, anchors, anchor_pos, slots, gamma)  # [R, γ, d]
             tokens, q, conf, peaks = self.block_heads(h, anchors, sampling, steer)
+        elif self.fused:
+            hidden = torch.stack([self.last_out(rid) for rid in ready])  # [R, d]
+            tokens, q, conf, peaks = self.chain_rows(hidden, anchor_pos, slots, sampling, gamma, steer)
         elif self.block:
             tokens, q, conf, peaks = self.draft_block(anchors, anchor_pos, *self.padded_context(ready), sampling, gamma,
                                                       steer)
@@ -142,8 +145,12 @@ class Drafter(StatelessProposer):
         taps = torch.cat(ctx.pending)[None]  # [1, P, T*d]
         positions = torch.arange(ctx.pending_start, ctx.pending_start + taps.shape[1], device=self.device)[None]
         ctx.pending = []
-        if self.fused:
+        if self.fused and self.block:
             fused_block.fold(self.model, self.cache, self.cache.slot(rid), taps[0], ctx.pending_start)
+        elif self.fused:
+            first, count = ctx.pending_start, taps.shape[1]
+            next_tokens = torch.tensor(tokens[first + 1 : first + count + 1], device=self.device)  # [P]
+            ctx.last_out = fused_chain.fold(self.model, self.cache, self.cache.slot(rid), taps[0], next_tokens, first)
         elif self.block:
             self.cache.write(rid, ctx.pending_start, [(k[0], v[0]) for k, v in self.model.context_kv(taps, positions)])
         else:
@@ -208,6 +215,18 @@ class Drafter(StatelessProposer):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)  # [R, S + k]
             hidden = model.finish(residual, q, keys, values, mask[:, None, None])[:, 0]  # [R, d]
             prev, draft = self._sample(model.logits(hidden).float(), sampling, steer, knobs)
+            steps.append(draft)
+        return self._collect(steps, [])
+
+    def chain_rows(self, hidden, anchor_pos, slots, sampling, gamma, steer=None):
+        """`draft_chain` on the kernel: step k is one row per request at anchor + k − 1 in its cache slot."""
+        model = self.model
+        knobs = _knobs(sampling, hidden.device)
+        prev, draft = self._sample(fused_chain.logits(model, hidden).float(), sampling, steer, knobs)
+        steps = [draft]
+        for k in range(1, gamma):
+            hidden = fused_chain.rows(model, self.cache, hidden, prev, anchor_pos + k - 1, slots)  # [R, d]
+            prev, draft = self._sample(fused_chain.logits(model, hidden).float(), sampling, steer, knobs)
             steps.append(draft)
         return self._collect(steps, [])
 

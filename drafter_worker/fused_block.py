@@ -81,7 +81,8 @@ def backbone(
     x = model.embed_tokens(slot_tokens.flatten())  # [A·γ', d]
     for i, layer in enumerate(model.layers):
         x = fused_decoder.run_layer(layer, x, cos, sin, cache.k[i], cache.v[i], row_slots, positions, visible)
-    return model.final(x.view(len(anchors), width, -1))
+    rows = x.view(len(anchors), width, -1)
+    return fused_decoder.rms_norm(model.norm, rows[:, 1:] if width > gamma else rows)  # `BlockDraftModel.final`
 
 
 def greedy_heads(model: BlockDraftModel, h: torch.Tensor, anchors: torch.Tensor

@@ -101,6 +101,12 @@ def decoder_layer(*args) -> torch.Tensor:
     return _module().decoder_layer(*args)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of rows x [..., d] in one call, rounded as the decoder layer's (services/kernels/decoder.cpp)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    return _module().rms_norm(rows, weight, eps).view(x.shape)
+
+
 def context_rows(*args) -> None:
     """Context rows' keys and values into a cache slot (services/kernels/decoder.cpp; drafter_worker/fused_block.py)."""
     _module().context_rows(*args)

@@ -53,11 +53,11 @@ def plain(layer: nn.Module, cfg, kinds: tuple[type, type] = (DecoderLayer, Atten
         return False  # a shard's heads
     if type(attn.o_proj) not in _PLAIN_LINEAR or type(mlp.down_proj) not in _PLAIN_LINEAR:
         return False
-    tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.qkv_weight,
-               attn.o_proj.weight, mlp.gate_up_weight, mlp.down_proj.weight]
+    norms = [n for n in (layer._modules.get("input_layernorm"), layer.post_attention_layernorm) if n is not None]
+    tensors = [*(n.weight for n in norms), attn.qkv_weight, attn.o_proj.weight, mlp.gate_up_weight,
+               mlp.down_proj.weight]
     dtype = tensors[0].dtype
-    return layer.input_layernorm.eps == layer.post_attention_layernorm.eps and all(
-        t.dtype == dtype and t.is_contiguous() for t in tensors)
+    return len({n.eps for n in norms}) == 1 and all(t.dtype == dtype and t.is_contiguous() for t in tensors)
 
 
 def run_layer(
@@ -70,12 +70,18 @@ def run_layer(
     slots: torch.Tensor,  # [N] int64, each row's cache slot
     positions: torch.Tensor,  # [N] int64, each row's position (where its key is written; it sees 0..it)
     visible: torch.Tensor | None = None,  # [N] int64, the last key each row sees where not its own position
+    normed: torch.Tensor | None = None,  # [N, d_in] the attention's input where not RMSNorm(x) (chain drafters)
 ) -> torch.Tensor:
     """One layer → its output [N, d]; the rows' keys and values are written into the caches (all of them
     before any row attends, so a draft block's rows can see each other through `visible`)."""
     weights, shape = _weights(layer)
     return cpu_kernels.decoder_layer(x.contiguous(), *weights, cos, sin, k_cache, v_cache, slots, positions, visible,
-                                     *shape)
+                                     None if normed is None else normed.contiguous(), *shape)
+
+
+def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)` of an RMSNorm module in one kernel call (the module path is eight aten calls)."""
+    return cpu_kernels.rms_norm(x, norm.weight, norm.eps)
 
 
 # Per layer, its weights as the kernel takes them: walking a layer's modules for them costs 15 µs, a third of the
@@ -95,12 +101,14 @@ def _weights(layer: nn.Module) -> tuple[tuple, tuple]:
                 packed is None or packed.current(w) for w, packed in checks):
             return weights, shape
     o_packed, down_packed = getattr(attn.o_proj, "packed", None), getattr(mlp.down_proj, "packed", None)
-    weights = (layer.input_layernorm.weight, kernel_weight(attn.qkv_weight, attn.qkv_packed), attn.qkv_bias,
+    ln1 = layer._modules.get("input_layernorm")
+    ln1 = layer.post_attention_layernorm if ln1 is None else ln1  # EAGLE-3 has none: `normed` replaces it
+    weights = (ln1.weight, kernel_weight(attn.qkv_weight, attn.qkv_packed), attn.qkv_bias,
                kernel_weight(attn.o_proj.weight, o_packed), attn.o_proj.bias, layer.post_attention_layernorm.weight,
                kernel_weight(mlp.gate_up_weight, mlp.gate_up_packed), mlp.gate_up_bias,
                kernel_weight(mlp.down_proj.weight, down_packed), mlp.down_proj.bias)
     checks = ((attn.qkv_weight, attn.qkv_packed), (attn.o_proj.weight, o_packed),
               (mlp.gate_up_weight, mlp.gate_up_packed), (mlp.down_proj.weight, down_packed))
-    shape = (attn.n_heads, attn.n_kv, layer.input_layernorm.eps, attn.head_dim ** -0.5)
+    shape = (attn.n_heads, attn.n_kv, layer.post_attention_layernorm.eps, attn.head_dim ** -0.5)
     _MEMO[layer] = (attn.qkv_weight, mlp.gate_up_weight, checks, weights, shape)
     return weights, shape

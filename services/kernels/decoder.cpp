@@ -194,12 +194,13 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, std
                     std::optional<torch::Tensor> gu_b, torch::Tensor down_w, std::optional<torch::Tensor> down_b,
                     const float* cos, const float* sin, torch::Tensor k_cache, torch::Tensor v_cache,
                     const int64_t* slots, const int64_t* pos, const int64_t* seen, const Shape& s, float eps,
-                    float scale) {
+                    float scale, std::optional<torch::Tensor> normed) {
   using T = typename D::T;
   const int64_t N = x.size(0), d = x.size(1), q_width = s.heads * s.dh, kv_width = s.kv_heads * s.dh;
   const auto ptr = [](torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); };
-  auto h = torch::empty_like(x);
-  norm_rows<D>(ptr(x), ptr(ln1), ptr(h), N, d, eps);
+  // The attention's input: RMSNorm(x), or the caller's (a chain drafter's [emb; hidden] rows, 2d wide).
+  auto h = normed.has_value() ? *normed : torch::empty_like(x);
+  if (!normed.has_value()) norm_rows<D>(ptr(x), ptr(ln1), ptr(h), N, d, eps);
   auto qkv = dspark::linear(h, qkv_w, qkv_b);  // [N, (H + 2 Hkv) Dh]
   TORCH_CHECK(qkv.size(1) == q_width + 2 * kv_width, "decoder_layer: qkv weight of (H + 2 Hkv) Dh outputs");
   T* keys = ptr(k_cache);
@@ -220,8 +221,9 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, std
   auto mid = dspark::linear(attn, o_w, o_b);  // [N, d]
   TORCH_CHECK(mid.size(1) == d, "decoder_layer: o-proj of d outputs");
   add_rows<D>(ptr(x), ptr(mid), ptr(mid), N * d);  // mid = x + attention
-  norm_rows<D>(ptr(mid), ptr(ln2), ptr(h), N, d, eps);
-  auto gu = dspark::linear(h, gu_w, gu_b);  // [N, 2F]: gate, then up
+  auto h2 = torch::empty_like(x);
+  norm_rows<D>(ptr(mid), ptr(ln2), ptr(h2), N, d, eps);
+  auto gu = dspark::linear(h2, gu_w, gu_b);  // [N, 2F]: gate, then up
   const int64_t F = gu.size(1) / 2;
   auto act = torch::empty({N, F}, x.options());
   at::parallel_for(0, N, 1, [&](int64_t b, int64_t e) {
@@ -234,6 +236,22 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, std
 }
 
 }  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.dim() == 1 && w.size(0) == x.size(1) &&
+                  w.scalar_type() == x.scalar_type() && w.is_contiguous(),
+              "rms_norm: x [N, d] contiguous, w [d] of its dtype");
+  auto out = torch::empty_like(x);
+  if (x.scalar_type() == torch::kBFloat16)
+    norm_rows<Bf16>(reinterpret_cast<uint16_t*>(x.data_ptr()), reinterpret_cast<uint16_t*>(w.data_ptr()),
+                    reinterpret_cast<uint16_t*>(out.data_ptr()), x.size(0), x.size(1), static_cast<float>(eps));
+  else {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat, "rms_norm: bf16 or fp32");
+    norm_rows<F32>(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1),
+                   static_cast<float>(eps));
+  }
+  return out;
+}
 
 void context_rows(torch::Tensor x, torch::Tensor kv_w, std::optional<torch::Tensor> kv_b, torch::Tensor cos,
                   torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, int64_t slot, int64_t start) {
@@ -264,8 +282,8 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qk
                             torch::Tensor gate_up_w, std::optional<torch::Tensor> gate_up_b, torch::Tensor down_w,
                             std::optional<torch::Tensor> down_b, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor pos,
-                            std::optional<torch::Tensor> visible, int64_t n_heads, int64_t n_kv, double eps,
-                            double scale) {
+                            std::optional<torch::Tensor> visible, std::optional<torch::Tensor> normed,
+                            int64_t n_heads, int64_t n_kv, double eps, double scale) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_layer: x [N, d] contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "decoder_layer: caches [S, Hkv, L, Dh] contiguous");
@@ -280,6 +298,9 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qk
   // The last key each row sees: its own position (causal), or `visible` (a draft block sees all its rows).
   auto vs = visible.has_value() ? visible->to(torch::kLong).contiguous() : ps;
   TORCH_CHECK(vs.dim() == 1 && vs.size(0) == x.size(0), "decoder_layer: visible [N]");
+  TORCH_CHECK(!normed.has_value() || (normed->dim() == 2 && normed->size(0) == x.size(0) && normed->is_contiguous() &&
+                                      normed->scalar_type() == x.scalar_type()),
+              "decoder_layer: normed [N, d_in] contiguous, x's dtype");
   if (x.size(0) == 0) return x.clone();
   for (int64_t n = 0; n < x.size(0); ++n)
     TORCH_CHECK(ps.data_ptr<int64_t>()[n] >= 0 && ps.data_ptr<int64_t>()[n] < s.cache_len &&
@@ -290,12 +311,12 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qk
     return layer<Bf16>(x, ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b, c.data_ptr<float>(),
                        sn.data_ptr<float>(), k_cache, v_cache, sl.data_ptr<int64_t>(), ps.data_ptr<int64_t>(),
                        vs.data_ptr<int64_t>(), s,
-                       static_cast<float>(eps), static_cast<float>(scale));
+                       static_cast<float>(eps), static_cast<float>(scale), normed);
   TORCH_CHECK(x.scalar_type() == torch::kFloat, "decoder_layer: bf16 or fp32");
   return layer<F32>(x, ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b, c.data_ptr<float>(),
                     sn.data_ptr<float>(), k_cache, v_cache, sl.data_ptr<int64_t>(), ps.data_ptr<int64_t>(),
                        vs.data_ptr<int64_t>(), s,
-                    static_cast<float>(eps), static_cast<float>(scale));
+                    static_cast<float>(eps), static_cast<float>(scale), normed);
 }
 
 }  // namespace dspark

@@ -34,8 +34,11 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qk
                             torch::Tensor gate_up_w, std::optional<torch::Tensor> gate_up_b, torch::Tensor down_w,
                             std::optional<torch::Tensor> down_b, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor pos,
-                            std::optional<torch::Tensor> visible, int64_t n_heads, int64_t n_kv, double eps,
-                            double scale);
+                            std::optional<torch::Tensor> visible, std::optional<torch::Tensor> normed,
+                            int64_t n_heads, int64_t n_kv, double eps, double scale);
+
+// decoder.cpp: RMSNorm of rows x [N, d] with weight w [d], rounded as the decoder layer's
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 
 // decoder.cpp: context rows x [P, d] → their keys (rotated) and values at positions start.. of a cache slot
 void context_rows(torch::Tensor x, torch::Tensor kv_w, std::optional<torch::Tensor> kv_b, torch::Tensor cos,
