@@ -1,6 +1,7 @@
-"""Block drafters on the CPU serving kernels (drafter_worker/fused_block.py): the kernel backbone computes what
-the module backbone computes over the same context, the Markov head's one-call greedy steps pick the module
-loop's tokens, a request's drafts do not depend on what shares its batch, and the context cache grows."""
+"""Drafters on the CPU serving kernels (drafter_worker/fused_block.py, fused_chain.py): the kernel backbone
+computes what the module backbone computes over the same context, the Markov head's one-call greedy steps pick
+the module loop's tokens, chain rows compute the module's rows, a request's drafts do not depend on what shares
+its batch, and the context cache grows."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _drafter(target, method: str, dtype: torch.dtype) -> Drafter:
     if not cpu_kernels.available(dtype):
         pytest.skip(f"no CPU kernel for {dtype} here")
     drafter = Drafter(draft_model(target, method).to(dtype))
-    assert drafter.fused, "a plain block model on the CPU drafts on the kernel"
+    assert drafter.fused, "a plain draft model on the CPU drafts on the kernel"
     return drafter
 
 
@@ -77,7 +78,7 @@ def test_the_one_call_markov_head_picks_the_module_loops_tokens(target, dtype):
     torch.testing.assert_close(k_z, z, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
+@pytest.mark.parametrize("method", ["dflash", "dspark", "eagle3", "mtp"])
 @torch.no_grad()
 def test_a_requests_fused_drafts_do_not_depend_on_its_batch(target, method):
     dtype = torch.bfloat16 if cpu_kernels.available(torch.bfloat16) else torch.float32
@@ -95,6 +96,28 @@ def test_a_requests_fused_drafts_do_not_depend_on_its_batch(target, method):
 def test_the_fused_path_can_be_turned_off(target, monkeypatch):
     monkeypatch.setenv("DSPARK_FUSED_DECODER", "0")
     assert not Drafter(draft_model(target, "dspark")).fused
+    assert not Drafter(draft_model(target, "eagle3")).fused
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_chain_rows_on_the_kernel_compute_the_module_rows(target, method, dtype):
+    """Context rows folded and a draft row run by the kernel give the outputs the module path's rows give."""
+    drafter = _drafter(target, method, dtype)
+    contexts = _contexts(drafter, [9])
+    model, tokens = drafter.model, contexts["r0"]
+    g = torch.Generator().manual_seed(0)
+    taps = torch.randn(9, model.feature_width, generator=g).to(dtype)  # the features `_contexts` committed
+    positions = torch.arange(9)[None]
+    residual, q, k, v = model.project(model.context(taps[None]), torch.tensor(tokens[1:10])[None], positions)
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()[None, None]
+    outs = model.finish(residual, q, k, v, causal)[0]  # [9, d] the module's context rows
+    bound = 1e-5 if dtype == torch.float32 else 0.03
+    got = drafter.last_out("r0").float()
+    assert ((got - outs[-1].float()).norm() / outs[-1].float().norm()).item() < bound
+    (ck, cv), = drafter.cache.read("r0", 9)
+    assert ((ck.float() - k[0].float()).norm() / k[0].float().norm()).item() < bound
 
 
 def test_the_context_cache_grows_in_slots_and_length():
