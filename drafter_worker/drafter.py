@@ -184,9 +184,11 @@ class Drafter(StatelessProposer):
         if all(p.greedy for p in sampling):
             return self._greedy(fused_block.greedy_heads(model, h, anchors) if self.fused else
                                 model.greedy_heads(h, anchors))
+        knobs = _knobs(sampling, anchors.device)
+        if self.fused and fused_block.markov(model) and not any(steer or []) and all(not p.greedy for p in sampling):
+            return self._sampled_block(h, anchors, knobs)
         h, base, state = model.heads_start(h)
         prev, steps, conf_logits = anchors, [], []
-        knobs = _knobs(sampling, anchors.device)
         for k in range(h.shape[1]):
             logits, z, state = model.head_step(base[:, k], h[:, k], prev, state)
             if z is not None:
@@ -194,6 +196,13 @@ class Drafter(StatelessProposer):
             prev, draft = self._sample(logits, sampling, steer, knobs)
             steps.append(draft)
         return self._collect(steps, conf_logits)
+
+    def _sampled_block(self, h, anchors, knobs):
+        """Every row sampled, none steered: the Markov head's γ steps in one kernel call (`fused_block`)."""
+        uniform = torch.rand(h.shape[:2], generator=self.generator, dtype=torch.float64, device=h.device)  # [R, γ]
+        tokens, peaks, z, ids, probs = fused_block.sampled_heads(self.model, h, anchors, *knobs, uniform, self.max_q)
+        q = [(ids[i], probs[i]) for i in range(len(tokens))]  # per request [γ, K] each
+        return tokens.tolist(), q, None if z is None else self._confidences(z), peaks
 
     def _greedy(self, drafted):
         """Greedy tokens, peaks [R, γ] and confidence logits (or None) → `_collect`'s layout."""

@@ -85,19 +85,40 @@ def backbone(
     return fused_decoder.rms_norm(model.norm, rows[:, 1:] if width > gamma else rows)  # `BlockDraftModel.final`
 
 
+def markov(model) -> bool:
+    """Whether the model's sequential head runs on the one-call kernel (a Markov head; gated and rnn do not)."""
+    return model.seq_head is not None and model.seq_head.kind is HeadType.MARKOV
+
+
 def greedy_heads(model: BlockDraftModel, h: torch.Tensor, anchors: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`BlockDraftModel.greedy_heads` with a Markov head's γ steps in one kernel call (services/kernels/heads.cpp):
     h [A, γ, d], anchors [A] → tokens [A, γ], peaks [A, γ], confidence logits [A, γ] or None. Other heads (gated,
     rnn) and none (DFlash, already one vectorised step) keep the module path."""
-    head, conf = model.seq_head, model.confidence
-    if head is None or head.kind is not HeadType.MARKOV:
+    if not markov(model):
         return model.greedy_heads(h, anchors)
+    tokens, peaks, z = _markov_block(model, h, anchors, (None, None, None, None, 0))
+    return tokens, peaks, z
+
+
+def sampled_heads(model: BlockDraftModel, h: torch.Tensor, anchors: torch.Tensor, temperature: torch.Tensor,
+                  top_k: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor, max_q: int):
+    """A Markov head's sampled block in one kernel call: every row at its temperature (> 0), top-k, top-p [A],
+    drawing step k by inverting its q' at uniform [A, γ] → tokens [A, γ], peaks q'[0] [A, γ], confidence
+    logits [A, γ] or None, q' ids [A, γ, K] and probs [A, γ, K] (K = max_q), what verification is sent."""
+    tokens, peaks, z, ids, probs = _markov_block(model, h, anchors, (temperature, top_k, top_p, uniform, max_q))
+    return tokens, peaks, z, ids, probs
+
+
+def _markov_block(model: BlockDraftModel, h: torch.Tensor, anchors: torch.Tensor, sampling: tuple) -> list:
+    head, conf = model.seq_head, model.confidence
     _, base, _ = model.heads_start(h)  # U [A, γ, V] fp32
     proj = head.markov_proj
     conf_w = None if conf is None else conf.proj.weight.flatten()  # [d + r]
     conf_b = 0.0 if conf is None or conf.proj.bias is None else float(conf.proj.bias)
-    tokens, peaks, z = cpu_kernels.markov_greedy(base, h.contiguous(), anchors, head.markov_embed.weight,
-                                                 kernel_weight(proj.weight, getattr(proj, "packed", None)), conf_w,
-                                                 conf_b)
-    return tokens, peaks, None if conf is None else z
+    out = cpu_kernels.markov_block(base, h.contiguous(), anchors, head.markov_embed.weight,
+                                   kernel_weight(proj.weight, getattr(proj, "packed", None)), conf_w, conf_b,
+                                   *sampling)
+    if conf is None:
+        out[2] = None
+    return out

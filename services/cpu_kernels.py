@@ -112,9 +112,9 @@ def context_rows(*args) -> None:
     _module().context_rows(*args)
 
 
-def markov_greedy(*args) -> list[torch.Tensor]:
-    """A greedy block of DSpark's Markov head (services/kernels/heads.cpp; arguments: drafter_worker/fused_block.py)."""
-    return _module().markov_greedy(*args)
+def markov_block(*args) -> list[torch.Tensor]:
+    """A block of DSpark's Markov head (services/kernels/heads.cpp; arguments: drafter_worker/fused_block.py)."""
+    return _module().markov_block(*args)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scipy.stats import chisquare
 
 from drafter_worker import fused_block
 from drafter_worker.context_cache import ContextCache
 from drafter_worker.drafter import Drafter
 from services import cpu_kernels
+from services.sampling import logits_to_probs, truncate_to_sparse
 from services.types import SamplingParams
 from tests.conftest import make_model
 from tests.test_drafters import MASK, TAPS, draft_model
@@ -159,3 +161,37 @@ def test_folding_on_the_kernel_writes_the_modules_context(target, dtype):
     for (k, v), (ek, ev) in zip(drafter.cache.read("r0", 17), expected, strict=True):
         for got, want in ((k[:, 13:], ek[0]), (v[:, 13:], ev[0])):
             assert ((got.float() - want.float()).norm() / want.float().norm()).item() < bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_the_sampled_markov_block_sends_the_q_it_draws_from(target, dtype):
+    """Each step's q' (ids, probs) is the module head's distribution after temperature, top-k and top-p, truncated
+    to max_q and renormalised, at the token the kernel drew before; and the tokens follow q' (χ², 6,000 draws)."""
+    drafter = _drafter(target, "dspark", dtype)
+    model = drafter.model
+    g = torch.Generator().manual_seed(3)
+    rows = 6000
+    h = torch.randn(1, GAMMA, model.config.hidden_size, generator=g).to(dtype).expand(rows, -1, -1).contiguous()
+    anchors = torch.full((rows,), 11)
+    temps, top_k = torch.full((rows,), 0.8), torch.full((rows,), 40)
+    top_p = torch.full((rows,), 0.9)
+    uniform = torch.rand(rows, GAMMA, generator=g, dtype=torch.float64)
+    tokens, peaks, _, ids, probs = fused_block.sampled_heads(model, h, anchors, temps, top_k, top_p, uniform, 16)
+    assert ids.shape == probs.shape == (rows, GAMMA, 16)
+    _, base, state = model.heads_start(h[:1])
+    prev = anchors[:1]
+    for k in range(GAMMA):
+        logits, _, state = model.head_step(base[:, k], h[:1, k], prev, state)
+        want_ids, want = truncate_to_sparse(logits_to_probs(logits, temps[:1], top_k[:1], top_p[:1]), 16)
+        got = dict(zip(ids[0, k].tolist(), probs[0, k].tolist(), strict=True))
+        for i, p in zip(want_ids[0].tolist(), want[0].tolist(), strict=True):
+            assert got.get(i, 0.0) == pytest.approx(p, abs=2e-3 if dtype == torch.bfloat16 else 1e-5)
+        assert peaks[0, k].item() == pytest.approx(probs[0, k, 0].item())
+        prev = tokens[:1, k]
+    q0 = dict(zip(ids[0, 0].tolist(), probs[0, 0].tolist(), strict=True))
+    support = [i for i, p in q0.items() if p > 0]
+    counts = torch.bincount(tokens[:, 0], minlength=model.config.vocab_size)
+    assert int(counts.sum()) == int(counts[support].sum()), "a token outside q'"
+    expected = torch.tensor([q0[i] for i in support]) * rows
+    assert chisquare(counts[support].double().numpy(), expected.double().numpy()).pvalue > 1e-3

@@ -44,8 +44,12 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 void context_rows(torch::Tensor x, torch::Tensor kv_w, std::optional<torch::Tensor> kv_b, torch::Tensor cos,
                   torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, int64_t slot, int64_t start);
 
-// heads.cpp: a greedy block of DSpark's Markov head → tokens [A, γ], peaks [A, γ], confidence logits [A | 0, γ]
-std::vector<torch::Tensor> markov_greedy(torch::Tensor U, torch::Tensor h, torch::Tensor anchors, torch::Tensor W1,
-                                         torch::Tensor W2, std::optional<torch::Tensor> conf_w, double conf_b);
+// heads.cpp: a block of DSpark's Markov head → tokens [A, γ], peaks [A, γ], confidence logits [A | 0, γ], and
+// where sampled the q' of every step: ids [A, γ, K], probs [A, γ, K]
+std::vector<torch::Tensor> markov_block(torch::Tensor U, torch::Tensor h, torch::Tensor anchors, torch::Tensor W1,
+                                        torch::Tensor W2, std::optional<torch::Tensor> conf_w, double conf_b,
+                                        std::optional<torch::Tensor> temperature, std::optional<torch::Tensor> top_k,
+                                        std::optional<torch::Tensor> top_p, std::optional<torch::Tensor> uniform,
+                                        int64_t max_q);
 
 }  // namespace dspark
