@@ -188,6 +188,12 @@ class Drafter(StatelessProposer):
         if self.fused and fused_block.markov(model) and not any(steer or []) and all(not p.greedy for p in sampling):
             return self._sampled_block(h, anchors, knobs)
         h, base, state = model.heads_start(h)
+        if model.seq_head is None:  # DFlash: no step depends on another, so all γ are drawn in one call
+            rows, gamma = base.shape[:2]
+            _, drafts = self._sample(base.flatten(0, 1), [p for p in sampling for _ in range(gamma)],
+                                     None if steer is None else [s for s in steer for _ in range(gamma)],
+                                     tuple(t.repeat_interleave(gamma) for t in knobs))
+            return self._collect([[drafts[i * gamma + k] for i in range(rows)] for k in range(gamma)], [])
         prev, steps, conf_logits = anchors, [], []
         for k in range(h.shape[1]):
             logits, z, state = model.head_step(base[:, k], h[:, k], prev, state)
