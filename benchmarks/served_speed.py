@@ -9,7 +9,8 @@ Decode speed of a request = (tokens − 1) / (time from its first token to its l
 are out of both arms; served TTFT is reported separately. The served arm runs plain decoding (`method: none`)
 and, with `--drafted`, the shipped DSpark drafter (a drafter process too) against in-process DSpark.
 
-    python benchmarks/served_speed.py [--rounds 3] [--max-tokens 96] [--threads 2] [--drafted] [--json PATH]
+    python benchmarks/served_speed.py [--model dspark-target] [--rounds 3] [--max-tokens 96] [--threads 2]
+        [--drafted] [--json PATH]
 """
 
 from __future__ import annotations
@@ -37,16 +38,15 @@ from verifier_worker.settings import VerifierSettings
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n", "class Stack:\n    def push(self, item):", "for i in range(10):",
            "The quick brown fox", "def main():\n"]
-DRAFTER = "dspark-target-dspark"
 
 
 def in_process(args, policy: Policy) -> list[float]:
     """Decode tok/s of each prompt, engine and drafter in this process."""
-    verifier = verifier_service(VerifierSettings(threads=args.threads, num_slots=1, max_len=512))
-    drafter = drafter_service(DrafterSettings(drafters=[DRAFTER])).proposers["dspark"] if policy is not Policy.NONE \
-        else None
+    verifier = verifier_service(VerifierSettings(model=args.model, threads=args.threads, num_slots=1, max_len=512))
+    drafter = None if policy is Policy.NONE else drafter_service(
+        DrafterSettings(model=args.model, drafters=[f"{args.model}-dspark"])).proposers["dspark"]
     router = LocalRouter(verifier.engine, drafter, policy, 7)
-    tok = TextTokenizer.from_dir(resolve_model("dspark-target"))
+    tok = TextTokenizer.from_dir(resolve_model(args.model))
     speeds = []
     for i, prompt in enumerate(PROMPTS):
         stamps: list[float] = []
@@ -61,7 +61,7 @@ def served(url: str, args, method: str) -> tuple[list[float], list[float]]:
     speeds, ttfts = [], []
     with httpx.Client(base_url=url, timeout=120) as client:
         for prompt in PROMPTS:
-            body = {"model": "dspark-target", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
+            body = {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
                     "ignore_eos": True, "stream": True, "speculative": {"method": method}}
             sent, stamps = time.perf_counter(), []
             with client.stream("POST", "/v1/completions", json=body) as reply:
@@ -89,6 +89,7 @@ def wait_healthy(url: str, timeout_s: float = 120.0) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="dspark-target", help="shipped target (its -dspark drafter with --drafted)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the engine in both arms")
@@ -96,14 +97,14 @@ def main() -> None:
     parser.add_argument("--json", default="benchmarks/results/served-speed-cpu.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    roles = [("verifier", VerifierSettings(port=0, threads=args.threads, num_slots=4, max_len=512))]
+    roles = [("verifier", VerifierSettings(model=args.model, port=0, threads=args.threads, num_slots=4, max_len=512))]
     if args.drafted:
-        roles.append(("drafter", DrafterSettings(port=0, threads=1, drafters=[DRAFTER])))
+        roles.append(("drafter", DrafterSettings(model=args.model, port=0, threads=1,
+                                                 drafters=[f"{args.model}-dspark"])))
     tiers = start_tiers(roles)
-    router_settings = RouterSettings(port=0, verifier=tiers[0].address, drafter=tiers[1].address if args.drafted
-                                     else None, methods=["dspark"] if args.drafted else [], method="dspark"
-                                     if args.drafted else "none", policy="fixed" if args.drafted else "none",
-                                     max_model_len=512)
+    drafted = {"drafter": tiers[1].address, "methods": ["dspark"], "method": "dspark", "policy": "fixed"} \
+        if args.drafted else {"method": "none", "policy": "none"}
+    router_settings = RouterSettings(model=args.model, port=0, verifier=tiers[0].address, max_model_len=512, **drafted)
     tiers += start_tiers([("router", router_settings)])
     url = f"http://{tiers[-1].address}"
     arms = {"plain": (Policy.NONE, "none")} | ({"dspark": (Policy.FIXED, "dspark")} if args.drafted else {})
@@ -128,7 +129,7 @@ def main() -> None:
         print(f"{name:>6}: in-process {med[f'{name}_in_process']:7.1f} tok/s   served {med[f'{name}_served']:7.1f} "
               f"tok/s   served / in-process {ratios[f'{name}_served_over_in_process']:.2f}   "
               f"served TTFT {med[f'{name}_served_ttft_ms']:.1f} ms")
-    meta = {"machine": cpu_model(), "threads": args.threads,
+    meta = {"machine": cpu_model(), "model": args.model, "threads": args.threads,
             "torch": torch.__version__, "max_tokens": args.max_tokens, "prompts": len(PROMPTS), "dtype": "auto"}
     with open(args.json, "w") as f:
         json.dump({**meta, "medians": med, **ratios, "rounds": per}, f, indent=2)
