@@ -35,7 +35,7 @@ from services.tokenizer import TextTokenizer
 from services.types import SamplingParams
 from verifier_worker.engine import Engine, EngineConfig
 from verifier_worker.kv_cache import KVCache
-from verifier_worker.profile import time_forward
+from verifier_worker.profile import profile_sps, time_forward
 
 DATASETS = Path(__file__).parent / "datasets"
 SUFFIXES = {"mtp1": "mtp", "eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark"}  # arm → drafter dir suffix
@@ -69,8 +69,8 @@ def prompts(tokenizer: TextTokenizer, n: int) -> list[list[int]]:
 
 
 def generate_tps(engine: Engine, proposer, policy: Policy, gamma: int, ids: list[list[int]], tokens: int,
-                 batch: int, temperature: float = 0.0) -> float:
-    router = LocalRouter(engine, proposer, policy, gamma)
+                 batch: int, temperature: float = 0.0, sps: list[tuple[int, float]] | None = None) -> float:
+    router = LocalRouter(engine, proposer, policy, gamma, sps=sps)
     reqs = [GenerationRequest(f"p{i}", p, SamplingParams(max_tokens=tokens, temperature=temperature,
                                                          seed=i if temperature else None))
             for i, p in enumerate(ids)]
@@ -129,6 +129,9 @@ def main() -> None:
     p.add_argument("--gamma", type=int, default=7)
     p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--temperature", type=float, default=0.0, help="of the speculative arms and their plain rounds")
+    p.add_argument("--policy", default="fixed", choices=["fixed", "threshold", "dspark"],
+                   help="verify length of the speculative arms (mtp1: always its one draft); dspark plans against "
+                        "the engine's SPS profile, measured at start")
     p.add_argument("--drafters", default=",".join(DRAFTERS),
                    help="comma list of arms (the model's shipped drafters) or arm=directory ('' for none)")
     p.add_argument("--json")
@@ -163,19 +166,24 @@ def main() -> None:
         print(f"{mode}: plain b1 {results['plain'][mode][1]} tok/s, b8 {results['plain'][mode][8]} tok/s; "
               f"forward(8)/forward(1) {curve[8] / curve[1]:.2f}; forward(n) ms {results['forward_ms'][mode]}",
               flush=True)
+    policy = Policy(args.policy)
+    sps = None
+    if policy is Policy.DSPARK:
+        sps = [(point.batch_tokens, point.step_ms) for point in profile_sps(model)]
+        results["sps"] = sps
     for name in taps:
         draft_model, calibration = load_drafter(dirs[name], model, args.dtype)
         for mode in modes:
             drafter = Drafter(draft_model, calibration, compile=mode == "compiled")
-            gamma = 1 if name == "mtp1" else args.gamma
-            generate_tps(engines[mode], drafter, Policy.FIXED, gamma, ids[:1], 16, 1)  # warm-up (and compile)
+            gamma, arm = (1, Policy.FIXED) if name == "mtp1" else (args.gamma, policy)
+            generate_tps(engines[mode], drafter, arm, gamma, ids[:1], 16, 1, sps=sps)  # warm-up (and compile)
             timed = TimedProposer(drafter)
-            generate_tps(engines[mode], timed, Policy.FIXED, gamma, ids, args.tokens, 1, args.temperature)
+            generate_tps(engines[mode], timed, arm, gamma, ids, args.tokens, 1, args.temperature, sps)
             plain_tps, spec_tps = [], []
             for _ in range(args.rounds):  # alternating, so a slow spell of the VM hits both alike
                 t = args.temperature
                 plain_tps.append(generate_tps(engines[mode], None, Policy.NONE, 0, ids, args.tokens, 1, t))
-                spec_tps.append(generate_tps(engines[mode], drafter, Policy.FIXED, gamma, ids, args.tokens, 1, t))
+                spec_tps.append(generate_tps(engines[mode], drafter, arm, gamma, ids, args.tokens, 1, t, sps))
             base, tps = statistics.median(plain_tps), statistics.median(spec_tps)
             block = timed.per_block_ms()
             block_x = block["propose_ms"] / results["forward_ms"][mode][1]

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from router.scheduling.planner import VerifyPlanner
+from router.scheduling.planner import CycleRecord, Decision, VerifyPlanner
 from router.scheduling.policy import Policy, max_verify_len
 from router.session import finish_reason, keep
 from services.errors import CapacityError
@@ -83,6 +83,8 @@ class _Session:
     accepted_per_pos: list[int] = field(default_factory=list)
     proposed_per_pos: list[int] = field(default_factory=list)
     block: DraftBlock | None = None  # the cycle in flight
+    decision: Decision | None = None  # the planner's ℓ for it
+    cycle_started: float = 0.0  # when its drafting began
     ahead_cycles: int = 0  # cycles whose block was drafted ahead (a speculation-cache hit)
     ahead_accepted: int = 0  # drafts accepted in those cycles
     logprobs: TokenLogprobs | None = None
@@ -93,7 +95,7 @@ class _Session:
         return self.request.params.max_tokens - len(self.output)
 
 
-OFFLINE_POLICIES = (Policy.NONE, Policy.FIXED, Policy.MTP1)
+OFFLINE_POLICIES = (Policy.NONE, Policy.FIXED, Policy.MTP1, Policy.THRESHOLD, Policy.DSPARK)
 TokenCallback = Callable[[str, list[int]], None]
 # Called once per verified cycle with the block sent (ℓ drafts, confidences) and the verifier's outcome.
 CycleObserver = Callable[[str, DraftBlock | None, StepOutput], None]
@@ -101,12 +103,17 @@ CycleObserver = Callable[[str, DraftBlock | None, StepOutput], None]
 
 class LocalRouter:
     def __init__(self, engine: Engine, proposer: Proposer | None = None, policy: Policy = Policy.NONE,
-                 gamma: int = 4, observer: CycleObserver | None = None):
+                 gamma: int = 4, observer: CycleObserver | None = None, sps: list[tuple[int, float]] | None = None):
+        """`sps`: the engine's SPS profile, (batch tokens, step ms) points, which policy dspark plans against
+        (verifier_worker/profile.py: `profile_sps`); without one it trims at the planner's λ. The load it
+        counts is this router's own requests: in process there is no other."""
         if policy is not Policy.NONE and proposer is None:
             raise ValueError(f"policy {policy} needs a drafter")
-        if policy not in OFFLINE_POLICIES:  # threshold and dspark plan against a verifier's load and SPS profile
+        if policy not in OFFLINE_POLICIES:
             raise ValueError(f"the in-process router serves policies {', '.join(OFFLINE_POLICIES)}, not {policy}")
         self.planner = VerifyPlanner()
+        if sps:
+            self.planner.set_profile("local", sps)
         self.engine, self.proposer, self.policy, self.gamma = engine, proposer, policy, gamma
         self.observer = observer
 
@@ -121,6 +128,7 @@ class LocalRouter:
             self._submit_cycles(sessions)
             step_started = time.perf_counter()
             outputs = self.engine.step()
+            step_s = time.perf_counter() - step_started
             if not outputs and sessions:
                 raise RuntimeError("engine made no progress with requests outstanding")
             for out in outputs:
@@ -129,6 +137,8 @@ class LocalRouter:
                     session.scheduled = step_started
                 if self.proposer is not None:
                     self.proposer.commit(out.request_id, out.feature_start, out.features)
+                if out.kind not in (None, OutcomeKind.FIRST):
+                    self._observe(session, out, step_s)
                 if self.observer is not None and out.kind not in (None, OutcomeKind.FIRST):
                     self.observer(out.request_id, session.block, out)
                 new = self._commit(session, out)
@@ -148,26 +158,36 @@ class LocalRouter:
                 return  # retried after running requests finish
             queue.popleft()
             sessions[req.request_id] = _Session(req, called)
+            self.planner.join(req.request_id)
 
     def _submit_cycles(self, sessions: dict[str, _Session]) -> None:
+        started = time.perf_counter()
         ready = {rid: s for rid, s in sessions.items() if s.output and not s.in_flight}
         bounds = {rid: max_verify_len(self.policy, self.gamma, s.remaining) for rid, s in ready.items()}
-        contexts = {rid: self.engine.tokens(rid) for rid in ready if bounds[rid] > 0}
+        contexts = {rid: self.engine.tokens(rid) for rid in ready
+                    if bounds[rid] > 0 and self.planner.wants_draft(rid, self.policy, 0.0)}
         params = {rid: ready[rid].request.params for rid in contexts}
         blocks = self.proposer.propose(contexts, self.gamma, params) if contexts and self.proposer else {}
         sent = {}
         for rid, session in ready.items():
-            block = blocks.get(rid)
+            block, session.decision = blocks.get(rid), None
             if block is not None:
-                ell = self.planner.decide(rid, self.policy, "", session.request.params.greedy, block,
-                                          bounds[rid]).verify_len
-                block = block.head(ell)
+                session.decision = self.planner.decide(rid, self.policy, "", session.request.params.greedy, block,
+                                                       bounds[rid])
+                block = block.head(session.decision.verify_len)
                 sent[rid] = (contexts[rid], block)
             self.engine.submit(rid, block)
-            session.in_flight, session.block = True, block
+            session.in_flight, session.block, session.cycle_started = True, block, started
         speculate = getattr(self.proposer, "speculate", None)  # a drafter that runs ahead (drafter_worker/ahead.py)
         if speculate is not None and sent:
             speculate(sent, self.gamma, params)
+
+    def _observe(self, session: _Session, out: StepOutput, step_s: float) -> None:
+        """What the cycle teaches the planner: its step's time, its whole time, its outcome."""
+        self.planner.observe(CycleRecord(out.request_id, self.policy, "", session.request.params.greedy,
+                                         session.decision, out.num_drafts, out.num_accepted, step_s,
+                                         time.perf_counter() - session.cycle_started,
+                                         bool(session.block and session.block.ahead)))
 
     @staticmethod
     def _commit(session: _Session, out: StepOutput) -> list[int]:
@@ -209,6 +229,7 @@ class LocalRouter:
     def _close(self, session: _Session, finish: FinishReason) -> GenerationResult:
         rid = session.request.request_id
         self.engine.release(rid)
+        self.planner.leave(rid)
         if self.proposer is not None:
             self.proposer.release(rid)
         return GenerationResult(
