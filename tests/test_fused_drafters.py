@@ -10,6 +10,7 @@ import torch
 from scipy.stats import chisquare
 
 from drafter_worker import fused_block
+from drafter_worker.calibration import Calibration
 from drafter_worker.context_cache import ContextCache
 from drafter_worker.drafter import Drafter
 from services import cpu_kernels
@@ -195,3 +196,20 @@ def test_the_sampled_markov_block_sends_the_q_it_draws_from(target, dtype):
     assert int(counts.sum()) == int(counts[support].sum()), "a token outside q'"
     expected = torch.tensor([q0[i] for i in support]) * rows
     assert chisquare(counts[support].double().numpy(), expected.double().numpy()).pvalue > 1e-3
+
+
+@torch.no_grad()
+def test_a_calibration_fitted_at_t1_calibrates_sampled_blocks_only(target):
+    """A calibration fitted at a sampling temperature is applied to sampled drafts; greedy drafts keep the head's
+    own σ(z) (a T = 1 fit makes greedy drafts look worse than they are)."""
+    model = draft_model(target, "dspark")
+    calibration = Calibration(position_temperatures=[2.0] * GAMMA, position_biases=[-1.0] * GAMMA,
+                              serving_temperature=1.0)
+    blocks = {}
+    for t in (0.0, 1.0):
+        plain, calibrated = Drafter(model), Drafter(model, calibration)
+        ctx_plain, ctx_cal = _contexts(plain, [8]), _contexts(calibrated, [8])
+        params = {"r0": SamplingParams(temperature=t, seed=1)}
+        blocks[t] = (plain.propose(ctx_plain, GAMMA, params)["r0"], calibrated.propose(ctx_cal, GAMMA, params)["r0"])
+    assert blocks[0.0][1].confidences == blocks[0.0][0].confidences  # greedy: raw
+    assert blocks[1.0][1].confidences != blocks[1.0][0].confidences  # sampled: calibrated
