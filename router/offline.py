@@ -95,6 +95,7 @@ class _Session:
         return self.request.params.max_tokens - len(self.output)
 
 
+EXPLORE_CYCLES = 8  # whole blocks verified before threshold / dspark trust their estimates (VerifyPlanner)
 OFFLINE_POLICIES = (Policy.NONE, Policy.FIXED, Policy.MTP1, Policy.THRESHOLD, Policy.DSPARK)
 TokenCallback = Callable[[str, list[int]], None]
 # Called once per verified cycle with the block sent (ℓ drafts, confidences) and the verifier's outcome.
@@ -111,7 +112,8 @@ class LocalRouter:
             raise ValueError(f"policy {policy} needs a drafter")
         if policy not in OFFLINE_POLICIES:
             raise ValueError(f"the in-process router serves policies {', '.join(OFFLINE_POLICIES)}, not {policy}")
-        self.planner = VerifyPlanner()
+        # A router lives for one `generate`: its planner starts cold each time, so it explores a few cycles.
+        self.planner = VerifyPlanner(explore=EXPLORE_CYCLES)
         if sps:
             self.planner.set_profile("local", sps)
         self.engine, self.proposer, self.policy, self.gamma = engine, proposer, policy, gamma

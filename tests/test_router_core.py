@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from drafter_worker.service import DrafterService
-from router.scheduling.planner import VerifyPlanner
+from router.scheduling.planner import CycleRecord, VerifyPlanner
 from router.scheduling.policy import Policy
 from router.session import Speculation, resolve
 from router.text_stream import TextStream
@@ -115,6 +115,17 @@ def test_threshold_policy_reads_only_the_estimates_of_the_prefix():
     # An SLA of 2.5 tokens per cycle lengthens ℓ until 1 + Σ a_j reaches it: 1 + 0.9 + 0.72 ≥ 2.5 at ℓ = 2,
     # and 3.0 needs ℓ = 4 (never more than the block).
     assert ell(Policy.THRESHOLD, block, 2.5) == 2 and ell(Policy.THRESHOLD, block, 3.0) == 4
+
+
+def test_a_cold_planner_explores_whole_blocks_before_it_trims():
+    """`explore`: threshold and dspark verify whole blocks until that many cycles verified drafts, then trim."""
+    planner = VerifyPlanner(threshold=0.5, explore=2)
+    block = DraftBlock(tokens=[5, 6, 7, 8], confidences=[0.2, 0.9, 0.9, 0.9])  # a_1 = 0.2 < λ
+    for _ in range(2):
+        decision = planner.decide("r", Policy.THRESHOLD, "dspark", True, block, len(block))
+        assert decision.verify_len == 4 and planner.wants_draft("r", Policy.DSPARK, 0.0)
+        planner.observe(CycleRecord("r", Policy.THRESHOLD, "dspark", True, decision, 4, 0, 0.01, 0.02))
+    assert planner.decide("r", Policy.THRESHOLD, "dspark", True, block, len(block)).verify_len == 0
 
 
 def test_the_drafter_lease_frees_contexts_no_stream_carries():

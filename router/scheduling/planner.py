@@ -55,8 +55,12 @@ class Decision:
 
 class VerifyPlanner:
     def __init__(self, threshold: float = 0.3, board: BoardView | None = None,
-                 engine_of: Callable[[str], str | None] | None = None):
+                 engine_of: Callable[[str], str | None] | None = None, explore: int = 0):
         self.threshold = threshold  # λ of policy threshold, and of dspark until the SPS profile is known
+        # Cold start: threshold and dspark verify whole blocks until `explore` cycles have verified drafts. A
+        # cut block teaches the estimates nothing past its cut, so estimates that start low (a head trained at
+        # another temperature) would otherwise stay low. Depends on past outcomes only: non-anticipating.
+        self.explore, self._explored = explore, 0
         self.board = board
         self.engine_id = ""  # the profiled verifier's key on the load board (the default replica)
         self.engine_of = engine_of  # request → its replica's board key (None: not placed right now)
@@ -103,7 +107,7 @@ class VerifyPlanner:
 
     def wants_draft(self, request_id: str, policy: Policy, sla: float) -> bool:
         """Whether a request asks the drafter this cycle; only dspark skips, never under an SLA."""
-        if policy is not Policy.DSPARK or sla > 0:
+        if policy is not Policy.DSPARK or sla > 0 or self._explored < self.explore:
             return True
         engine, budget = self.budget(request_id)
         return budget.wants_draft(self.view(engine, budget))
@@ -117,6 +121,7 @@ class VerifyPlanner:
         """One call per cycle: round-trip and cycle times to the replica's budget, the outcome to the estimates."""
         budget = self.budget(cycle.request_id)[1]
         budget.observe_verify(cycle.verify_s)
+        self._explored += cycle.decision is not None and cycle.verified > 0
         if cycle.decision is not None:
             self.acceptance.observe(cycle.method, cycle.greedy, cycle.decision.signals, cycle.verified, cycle.accepted)
         if cycle.policy is Policy.DSPARK:
@@ -141,4 +146,6 @@ class VerifyPlanner:
         elif policy is Policy.DSPARK:
             engine, budget = self.budget(request_id)
             length, plan = budget.trim(request_id, a, self.view(engine, budget), tokens_needed)
+        if policy in (Policy.THRESHOLD, Policy.DSPARK) and self._explored < self.explore:
+            length = len(block)
         return Decision(length, len(block), signals, list(accept), plan)
