@@ -48,7 +48,8 @@ def build_router(s: RouterSettings, tracer=None, discovery: Discovery | None = N
     name = s.served_model_name or model_dir.name
     board = BoardView(connect_board(s.redis_url), s.board_stale_ms / 1000) if s.redis_url else None
     router = Router(pools.verifier, pools.drafter, set(s.methods), config, tokenizer, tracer, model=name,
-                    planner=VerifyPlanner(s.threshold, board, pools.verifier.engine_of))
+                    planner=VerifyPlanner(s.threshold, board, pools.verifier.engine_of,
+                                          s.explore_cycles))
     pools.metrics = router.metrics
     return router, tokenizer, pools
 
