@@ -145,18 +145,17 @@ class Drafter(StatelessProposer):
         taps = torch.cat(ctx.pending)[None]  # [1, P, T*d]
         positions = torch.arange(ctx.pending_start, ctx.pending_start + taps.shape[1], device=self.device)[None]
         ctx.pending = []
+        first, count = ctx.pending_start, taps.shape[1]
+        # chain models: context row j pairs the features of j with token j + 1
+        next_tokens = None if self.block else torch.tensor(tokens[first + 1 : first + count + 1], device=self.device)
         if self.fused and self.block:
-            fused_block.fold(self.model, self.cache, self.cache.slot(rid), taps[0], ctx.pending_start)
+            fused_block.fold(self.model, self.cache, self.cache.slot(rid), taps[0], first)
         elif self.fused:
-            first, count = ctx.pending_start, taps.shape[1]
-            next_tokens = torch.tensor(tokens[first + 1 : first + count + 1], device=self.device)  # [P]
             ctx.last_out = fused_chain.fold(self.model, self.cache, self.cache.slot(rid), taps[0], next_tokens, first)
         elif self.block:
-            self.cache.write(rid, ctx.pending_start, [(k[0], v[0]) for k, v in self.model.context_kv(taps, positions)])
+            self.cache.write(rid, first, [(k[0], v[0]) for k, v in self.model.context_kv(taps, positions)])
         else:
-            first, count = ctx.pending_start, taps.shape[1]
-            next_tokens = torch.tensor(tokens[first + 1 : first + count + 1], device=self.device)[None]  # [1, P]
-            residual, q, k, v = self.model.project(self.model.context(taps), next_tokens, positions)
+            residual, q, k, v = self.model.project(self.model.context(taps), next_tokens[None], positions)
             keys, values = k, v
             if ctx.positions:
                 (old_k, old_v), = self.cache.read(rid, ctx.positions)  # [Hkv, n, Dh]
@@ -164,7 +163,7 @@ class Drafter(StatelessProposer):
             n, total = q.shape[2], keys.shape[2]
             causal = torch.ones(n, total, dtype=torch.bool, device=self.device).tril(total - n)[None, None]
             ctx.last_out = self.model.finish(residual, q, keys, values, causal)[0, -1]  # [d]
-            self.cache.write(rid, ctx.pending_start, [(k[0], v[0])])
+            self.cache.write(rid, first, [(k[0], v[0])])
         ctx.positions = int(positions[0, -1]) + 1
 
     def padded_context(self, rids: list[str]):

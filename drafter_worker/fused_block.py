@@ -15,8 +15,6 @@ are proposals, verification alone decides what is emitted, so losslessness does 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from drafter_worker.block_model import BlockDraftModel
@@ -30,13 +28,9 @@ from services.packed_linear import kernel_weight
 def serves(model) -> bool:
     """Whether `model`'s blocks run on the kernel here: a block model on the CPU whose layers the kernel
     computes (after `prepare`), in a dtype the CPU's kernel serves."""
-    if os.environ.get("DSPARK_FUSED_DECODER", "1") == "0" or not isinstance(model, BlockDraftModel):
+    if not isinstance(model, BlockDraftModel) or not fused_decoder.kernel_serves(model.config, model.lm_head.weight):
         return False
-    cfg, weight = model.config, model.lm_head.weight
-    if weight.device.type != "cpu" or cfg.head_dim % 32 or cfg.head_dim > 256 \
-            or not cpu_kernels.available(weight.dtype):
-        return False
-    return all(fused_decoder.plain(layer, cfg, (BlockLayer, DraftAttention)) for layer in model.layers)
+    return all(fused_decoder.plain(layer, model.config, (BlockLayer, DraftAttention)) for layer in model.layers)
 
 
 def prepare(model: BlockDraftModel) -> None:
@@ -97,8 +91,7 @@ def greedy_heads(model: BlockDraftModel, h: torch.Tensor, anchors: torch.Tensor
     rnn) and none (DFlash, already one vectorised step) keep the module path."""
     if not markov(model):
         return model.greedy_heads(h, anchors)
-    tokens, peaks, z = _markov_block(model, h, anchors, (None, None, None, None, 0))
-    return tokens, peaks, z
+    return tuple(_markov_block(model, h, anchors, (None, None, None, None, 0)))
 
 
 def sampled_heads(model: BlockDraftModel, h: torch.Tensor, anchors: torch.Tensor, temperature: torch.Tensor,
@@ -106,8 +99,7 @@ def sampled_heads(model: BlockDraftModel, h: torch.Tensor, anchors: torch.Tensor
     """A Markov head's sampled block in one kernel call: every row at its temperature (> 0), top-k, top-p [A],
     drawing step k by inverting its q' at uniform [A, γ] → tokens [A, γ], peaks q'[0] [A, γ], confidence
     logits [A, γ] or None, q' ids [A, γ, K] and probs [A, γ, K] (K = max_q), what verification is sent."""
-    tokens, peaks, z, ids, probs = _markov_block(model, h, anchors, (temperature, top_k, top_p, uniform, max_q))
-    return tokens, peaks, z, ids, probs
+    return tuple(_markov_block(model, h, anchors, (temperature, top_k, top_p, uniform, max_q)))
 
 
 def _markov_block(model: BlockDraftModel, h: torch.Tensor, anchors: torch.Tensor, sampling: tuple) -> list:

@@ -14,25 +14,19 @@ same call (causal, positions start..), so `last_out` and the cached keys are the
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from drafter_worker.chain_model import ChainDraftModel
 from drafter_worker.context_cache import ContextCache
 from drafter_worker.layers import ChainLayer, DraftAttention
-from services import cpu_kernels, fused_decoder
+from services import fused_decoder
 
 
 def serves(model) -> bool:
     """Whether `model`'s rows run on the kernel here (a chain model on the CPU, its layer after `prepare`)."""
-    if os.environ.get("DSPARK_FUSED_DECODER", "1") == "0" or type(model) is not ChainDraftModel:
+    if type(model) is not ChainDraftModel or not fused_decoder.kernel_serves(model.config, model.lm_head.weight):
         return False
-    cfg, weight = model.config, model.lm_head.weight
-    if weight.device.type != "cpu" or cfg.head_dim % 32 or cfg.head_dim > 256 \
-            or not cpu_kernels.available(weight.dtype):
-        return False
-    return fused_decoder.plain(model.layer, cfg, (ChainLayer, DraftAttention))
+    return fused_decoder.plain(model.layer, model.config, (ChainLayer, DraftAttention))
 
 
 def prepare(model) -> None:

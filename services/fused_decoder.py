@@ -30,13 +30,18 @@ _PLAIN_LINEAR = (nn.Linear, PackedLinear)
 def serves(model) -> bool:
     """Whether every decoder layer of `model` (a prepared `CausalLM`) runs on the kernel."""
     cfg = model.config
-    if os.environ.get("DSPARK_FUSED_DECODER", "1") == "0" or model.device.type != "cpu":
-        return False
-    if cfg.gemma is not None or cfg.qk_norm or cfg.head_dim % 32 or cfg.head_dim > 256:
-        return False
-    if not cpu_kernels.available(model.dtype):
+    if cfg.gemma is not None or cfg.qk_norm or not kernel_serves(cfg, model.lm_head.weight):
         return False
     return all(plain(layer, cfg) for layer in model.model.layers)
+
+
+def kernel_serves(cfg, weight: torch.Tensor) -> bool:
+    """What every model on the kernel needs (the target's layers and the drafters'): not turned off
+    (`DSPARK_FUSED_DECODER=0`), a CPU weight of a dtype the kernel serves here, head_dim a multiple of 32 up to
+    256."""
+    if os.environ.get("DSPARK_FUSED_DECODER", "1") == "0" or weight.device.type != "cpu":
+        return False
+    return cfg.head_dim % 32 == 0 and cfg.head_dim <= 256 and cpu_kernels.available(weight.dtype)
 
 
 def plain(layer: nn.Module, cfg, kinds: tuple[type, type] = (DecoderLayer, Attention)) -> bool:
