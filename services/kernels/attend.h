@@ -13,18 +13,6 @@
 
 namespace dspark {
 
-struct Bf16 {
-  using T = uint16_t;
-  static float ld(T v) { return from_bf16(v); }
-  static T st(float f) { return to_bf16(f); }
-};
-
-struct F32 {
-  using T = float;
-  static float ld(T v) { return v; }
-  static T st(float f) { return f; }
-};
-
 // Scores s[0..n) (n padded to 8 with −inf by the caller) → weights exp(s − max) in place; → their sum.
 __attribute__((target("avx2,fma"))) inline float softmax_weights(float* s, int64_t padded) {
   float top = -std::numeric_limits<float>::infinity();

@@ -21,17 +21,9 @@ namespace dspark {
 namespace {
 
 template <class T>
-float ld(T v);
-template <>
-float ld<uint16_t>(uint16_t v) { return from_bf16(v); }
-template <>
-float ld<float>(float v) { return v; }
+float ld(T v) { return DtypeOf<T>::ld(v); }
 template <class T>
-float rounded(float f);  // f rounded to T and back
-template <>
-float rounded<uint16_t>(float f) { return from_bf16(to_bf16(f)); }
-template <>
-float rounded<float>(float f) { return f; }
+float rounded(float f) { return DtypeOf<T>::ld(DtypeOf<T>::st(f)); }  // f rounded to T and back
 
 // 8 values of b from v on as fp32.
 __attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* b) {

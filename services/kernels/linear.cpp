@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include "ops.h"
+#include "simd.h"
 
 namespace dspark {
 namespace {
@@ -72,14 +73,6 @@ void bf16_outputs(const uint16_t* x, const uint16_t* w, const float* bias, uint1
     if (m + 2 <= M) bf16_tile<2>(x, w, bias, y, K, N, m, n), m += 2;
     if (m < M) bf16_tile<1>(x, w, bias, y, K, N, m, n);
   }
-}
-
-__attribute__((target("avx2,fma")))
-inline float hsum8(__m256 v) {  // fixed order: halves, then pairs
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
 }
 
 template <int T>

@@ -1,9 +1,29 @@
-// SIMD pieces the kernels share (decoder.cpp, heads.cpp): each reduces in a fixed order, so its result does not
-// depend on which thread or call computes it.
+// What the kernels share (decoder.cpp, heads.cpp, linear.cpp): the two dtypes, and SIMD reductions in a fixed
+// order, so a result does not depend on which thread or call computes it.
 #pragma once
 #include <immintrin.h>
 
+#include <type_traits>
+
+#include "ops.h"
+
 namespace dspark {
+
+// The kernels' two dtypes: loading a value as fp32, storing fp32 rounded to the dtype (bf16: as torch rounds).
+struct Bf16 {
+  using T = uint16_t;
+  static float ld(T v) { return from_bf16(v); }
+  static T st(float f) { return to_bf16(f); }
+};
+
+struct F32 {
+  using T = float;
+  static float ld(T v) { return v; }
+  static T st(float f) { return f; }
+};
+
+template <class T>  // the dtype of a storage type
+using DtypeOf = std::conditional_t<std::is_same_v<T, uint16_t>, Bf16, F32>;
 
 __attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {  // fixed order: halves, then pairs
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
