@@ -1,7 +1,8 @@
 """The engine at the machine's limit: eager against compiled steps, plain and speculative, in one run.
 
 For the shipped target (or any model directory), in the default dtype of this machine, batch 1 and 8,
-greedy, on the eval prompts of benchmarks/datasets:
+greedy, on the eval prompts of benchmarks/datasets/v2 (those of acceptance-v2.md; `--datasets-dir`), each
+request stopping at the model's end of sequence as a user's would (`--ignore-eos`: always `--tokens`):
 
 - plain decoding tokens/s per mode (eager, compiled), rounds alternating between the modes;
 - forward(n) / forward(1) for n = 1..64 new tokens after 256 cached, per mode;
@@ -21,6 +22,7 @@ import json
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,7 +39,8 @@ from verifier_worker.engine import Engine, EngineConfig
 from verifier_worker.kv_cache import KVCache
 from verifier_worker.profile import profile_sps, time_forward
 
-DATASETS = Path(__file__).parent / "datasets"
+DATASETS = Path(__file__).parent / "datasets" / "v2"
+DOMAINS = ("code", "math", "chat")
 SUFFIXES = {"mtp1": "mtp", "eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark"}  # arm → drafter dir suffix
 DRAFTERS = {arm: f"dspark-target-{suffix}" for arm, suffix in SUFFIXES.items()}  # the shipped target's drafters
 
@@ -60,24 +63,50 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def prompts(tokenizer: TextTokenizer, n: int) -> list[list[int]]:
-    texts = []
-    for name in ("chat", "code", "math"):
-        lines = (DATASETS / f"{name}.jsonl").read_text().splitlines()
-        texts += [json.loads(line)["prompt"] for line in lines[: max(1, n // 3)]]
+def prompts(tokenizer: TextTokenizer, datasets_dir: Path, n: int) -> list[list[int]]:
+    """n // 3 prompts of each domain, interleaved (code, math, chat, code, ...), their last 200 tokens."""
+    per_domain = []
+    for name in DOMAINS:
+        lines = (datasets_dir / f"{name}.jsonl").read_text().splitlines()
+        per_domain.append([json.loads(line)["prompt"] for line in lines[: max(1, n // 3)]])
+    texts = [t for row in zip(*per_domain, strict=True) for t in row]
     return [tokenizer.encode(t)[-200:] for t in texts[:n]]
 
 
-def generate_tps(engine: Engine, proposer, policy: Policy, gamma: int, ids: list[list[int]], tokens: int,
-                 batch: int, temperature: float = 0.0, sps: list[tuple[int, float]] | None = None) -> float:
+@dataclass(slots=True)
+class Stopping:
+    """How a benchmark request ends: `tokens` new tokens at most, earlier at one of `stop_ids` (none: never)."""
+
+    tokens: int
+    stop_ids: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class Rate:
+    """What a run of `generate_tps` emitted and how fast; τ = cycle tokens per verify cycle (0: no cycles)."""
+
+    tokens_per_s: float
+    tokens: int
+    cycles: int
+    cycle_tokens: int
+
+    @property
+    def tau(self) -> float:
+        return self.cycle_tokens / self.cycles if self.cycles else 0.0
+
+
+def generate_tps(engine: Engine, proposer, policy: Policy, gamma: int, ids: list[list[int]], stopping: Stopping,
+                 batch: int, temperature: float = 0.0, sps: list[tuple[int, float]] | None = None) -> Rate:
     router = LocalRouter(engine, proposer, policy, gamma, sps=sps)
-    reqs = [GenerationRequest(f"p{i}", p, SamplingParams(max_tokens=tokens, temperature=temperature,
-                                                         seed=i if temperature else None))
+    reqs = [GenerationRequest(f"p{i}", p, SamplingParams(max_tokens=stopping.tokens, temperature=temperature,
+                                                         seed=i if temperature else None), stopping.stop_ids)
             for i, p in enumerate(ids)]
-    started, total = time.perf_counter(), 0
+    started, results = time.perf_counter(), []
     for first in range(0, len(reqs), batch):
-        total += sum(len(r.token_ids) for r in router.generate(reqs[first : first + batch]))
-    return total / (time.perf_counter() - started)
+        results += router.generate(reqs[first : first + batch])
+    tokens = sum(len(r.token_ids) for r in results)
+    return Rate(tokens / (time.perf_counter() - started), tokens, sum(r.cycles for r in results),
+                sum(r.cycle_tokens for r in results))
 
 
 class TimedProposer:
@@ -124,7 +153,9 @@ def main() -> None:
     p.add_argument("--model", default="dspark-target")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--prompts", type=int, default=6)
-    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per request at most")
+    p.add_argument("--datasets-dir", type=Path, default=DATASETS, help="code/math/chat.jsonl eval prompts")
+    p.add_argument("--ignore-eos", action="store_true", help="generate --tokens past the end of sequence")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--gamma", type=int, default=7)
     p.add_argument("--modes", default="eager,compiled")
@@ -139,13 +170,15 @@ def main() -> None:
     modes = args.modes.split(",")
     model_dir = resolve_model(args.model)
     tok = TextTokenizer.from_dir(model_dir)
-    ids = prompts(tok, args.prompts)
+    ids = prompts(tok, args.datasets_dir, args.prompts)
+    stopping = Stopping(args.tokens, () if args.ignore_eos else tok.eos_token_ids)
     dirs = drafter_dirs(args.drafters, args.model)
     taps = {m: drafter_config(d).tap_layers for m, d in dirs.items()}
     all_taps = tuple(sorted({t for ts in taps.values() for t in ts}))
     model = load_model(model_dir, args.dtype, tap_layers=all_taps)
-    meta = {"cpu": cpu_model(), "native_bf16": native_bf16(torch.device("cpu")), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "dtype": str(model.dtype).removeprefix("torch."), **vars(args)}
+    meta = {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "cpu": cpu_model(),
+            "native_bf16": native_bf16(torch.device("cpu")), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "dtype": str(model.dtype).removeprefix("torch.")}
     print(json.dumps(meta))
     engines = {}
     for mode in modes:
@@ -157,7 +190,9 @@ def main() -> None:
         for mode in modes:
             for batch in (1, 8):
                 ids_b = ids if batch == 1 else (ids * 8)[:8]
-                plain[mode][batch].append(generate_tps(engines[mode], None, Policy.NONE, 0, ids_b, args.tokens, batch))
+                # the engine at a constant batch: every request runs its --tokens (no end of sequence)
+                plain[mode][batch].append(
+                    generate_tps(engines[mode], None, Policy.NONE, 0, ids_b, Stopping(args.tokens), batch).tokens_per_s)
     results = {"meta": meta, "plain": {}, "forward_ms": {}, "speculative": {}}
     for mode in modes:
         results["plain"][mode] = {b: round(statistics.median(v), 1) for b, v in plain[mode].items()}
@@ -176,23 +211,26 @@ def main() -> None:
         for mode in modes:
             drafter = Drafter(draft_model, calibration, compile=mode == "compiled")
             gamma, arm = (1, Policy.FIXED) if name == "mtp1" else (args.gamma, policy)
-            generate_tps(engines[mode], drafter, arm, gamma, ids[:1], 16, 1, sps=sps)  # warm-up (and compile)
+            warm = Stopping(16)
+            generate_tps(engines[mode], drafter, arm, gamma, ids[:1], warm, 1, sps=sps)  # warm-up (and compile)
             timed = TimedProposer(drafter)
-            generate_tps(engines[mode], timed, arm, gamma, ids, args.tokens, 1, args.temperature, sps)
+            first = generate_tps(engines[mode], timed, arm, gamma, ids, stopping, 1, args.temperature, sps)
             plain_tps, spec_tps = [], []
             for _ in range(args.rounds):  # alternating, so a slow spell of the VM hits both alike
                 t = args.temperature
-                plain_tps.append(generate_tps(engines[mode], None, Policy.NONE, 0, ids, args.tokens, 1, t))
-                spec_tps.append(generate_tps(engines[mode], drafter, arm, gamma, ids, args.tokens, 1, t, sps))
+                plain_tps.append(generate_tps(engines[mode], None, Policy.NONE, 0, ids, stopping, 1, t).tokens_per_s)
+                spec_tps.append(generate_tps(engines[mode], drafter, arm, gamma, ids, stopping, 1, t, sps).tokens_per_s)
             base, tps = statistics.median(plain_tps), statistics.median(spec_tps)
             block = timed.per_block_ms()
             block_x = block["propose_ms"] / results["forward_ms"][mode][1]
             results["speculative"].setdefault(name, {})[mode] = {"tokens_per_s": round(tps, 1),
                                                                  "plain_tokens_per_s": round(base, 1),
                                                                  "x_plain": round(tps / base, 2), **block,
-                                                                 "block_x_step": round(block_x, 2)}
+                                                                 "block_x_step": round(block_x, 2),
+                                                                 "tau": round(first.tau, 3), "tokens": first.tokens}
             print(f"{name} {mode}: {tps:.1f} tok/s against plain {base:.1f} in the same rounds = {tps / base:.2f} x; "
-                  f"a block {block} = {block_x:.2f} x a target forward(1)", flush=True)
+                  f"τ {first.tau:.2f} over {first.tokens} tokens; a block {block} = {block_x:.2f} x a target "
+                  f"forward(1)", flush=True)
     if len(modes) > 1:
         results["compiled_x_eager"] = {b: round(results["plain"]["compiled"][b] / results["plain"]["eager"][b], 2)
                                        for b in (1, 8)}
