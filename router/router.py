@@ -44,6 +44,7 @@ class RouterConfig:
     max_queue: int = 256  # sessions waiting for a running slot; beyond it requests get CapacityError
     reattach_every: int = 16  # most cycles between attempts to reopen a lost drafter (backoff 1, 2, 4, ...)
     verifier_retry_s: float = 30.0  # how long a session keeps re-prefilling on a lost verifier
+    plain_ahead: int = 4  # plain steps (method none) a verifier may decode before the router asks (0: none)
 
 
 class Router:
@@ -285,7 +286,8 @@ class Router:
         while True:
             try:
                 return await self.verifier.prefill(s.request.request_id, s.request.prompt_ids, params,
-                                                   s.output if resume else [], current_traceparent(), share)
+                                                   s.output if resume else [], current_traceparent(), share,
+                                                   self.config.plain_ahead if s.spec.method == "none" else 0)
             except TierUnavailableError:
                 if time.monotonic() > deadline:
                     raise

@@ -91,6 +91,7 @@ PREFILL_FAULTS = [
     lambda d, m, L: setattr(m.params, "top_p", d(BAD_TOP_P)),
     lambda d, m, L: setattr(m, "feature_dtype", d(BAD_ENUM)),
     lambda d, m, L: setattr(m, "request_id", d(st.sampled_from(["", "held"]))),  # empty, or already in use
+    lambda d, m, L: setattr(m, "plain_ahead", d(st.integers(65, U32))),  # deeper than a replica runs ahead
 ]
 
 

@@ -51,7 +51,8 @@ class FakeClient:
             raise self.fail_with
         return (name, self.address)
 
-    async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of=""):
+    async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of="",
+                      plain_ahead=0):
         return await self._call("prefill", request_id)
 
     async def verify(self, request_id, cycle, draft, traceparent):
@@ -603,10 +604,12 @@ def test_router_over_pools_survives_a_lost_verifier_and_drafter_replica():
             super().__init__(service)
             self.address, self.prefills, self.verifies = address, [], 0
 
-        async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of=""):
+        async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of="",
+                          plain_ahead=0):
             doomed.setdefault("verifier", self.address)
             self.prefills.append(len(resume_ids))
-            return await super().prefill(request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of)
+            return await super().prefill(request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of,
+                                         plain_ahead)
 
         async def verify(self, request_id, cycle, draft, traceparent):
             self.verifies += 1

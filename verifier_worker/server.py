@@ -34,7 +34,8 @@ class VerifierServicer(rpc.VerifierServicer):
                 dtype = codec.wire_dtype(request.feature_dtype)
                 params = validate.params(request.params)
                 done = await self.service.prefill(validate.request_id(request.request_id), list(request.prompt_ids),
-                                                  params, list(request.resume_ids), request.share_prefix_of)
+                                                  params, list(request.resume_ids), request.share_prefix_of,
+                                                  request.plain_ahead)
             except Exception as error:
                 await abort_with(context, error)
             return pb.PrefillReply(request_id=request.request_id, cycle=0, emitted=done.emitted,

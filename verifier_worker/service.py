@@ -6,7 +6,9 @@ pending (continuous batching across streams). The engine is touched only under `
 loop holds for the duration of a step: admissions, submissions and releases land between steps.
 
 Cycle bookkeeping: after prefill a request is at cycle 0; `verify` must carry the next cycle, anything
-else is stale (`StaleCycleError`) and changes nothing.
+else is stale (`StaleCycleError`) and changes nothing. A request prefilled with `plain_ahead` > 0 decodes
+plainly ahead of its verify calls (`verifier_worker/plain_ahead.py`); each call takes the steps done since
+the last one.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from services.types import (
     VerifierProfile,
 )
 from verifier_worker.engine import Engine
+from verifier_worker.plain_ahead import MAX_DEPTH, PlainAhead
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ class _Session:
     prompt_logprobs: TokenLogprobs | None = None  # prefill chunks so far, when asked for
     feature_start: int = 0  # position of the first prefill chunk (> 0 after a shared prefix)
     waiter: asyncio.Future | None = None
+    ahead: PlainAhead | None = None  # plain steps done before the router asks (prefilled with plain_ahead > 0)
 
 
 class VerifierService(TierLoop):
@@ -57,13 +61,20 @@ class VerifierService(TierLoop):
 
     # ---- session calls ------------------------------------------------------------------------
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      resume_ids: list[int] | None = None, share_prefix_of: str = "") -> Prefilled:
+                      resume_ids: list[int] | None = None, share_prefix_of: str = "", plain_ahead: int = 0
+                      ) -> Prefilled:
+        """`plain_ahead`: the request is plain for its whole life; decode up to that many steps before the router
+        asks for them."""
         self._check_open()
+        if not 0 <= plain_ahead <= MAX_DEPTH:
+            raise InvalidRequestError(f"plain_ahead must be in [0, {MAX_DEPTH}], got {plain_ahead}")
         async with self._lock:
             if request_id in self._sessions:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             self.engine.add_request(request_id, prompt_ids, params, resume_ids or (), share_prefix_of)
             session = self._sessions[request_id] = _Session()
+            if plain_ahead:
+                session.ahead = PlainAhead(plain_ahead, params)
             session.waiter = asyncio.get_running_loop().create_future()
         self._wake.set()
         try:
@@ -88,13 +99,23 @@ class VerifierService(TierLoop):
                 raise StaleCycleError(f"request {request_id!r} is {state}")
             if cycle != session.cycle + 1:
                 raise StaleCycleError(f"request {request_id!r}: cycle {cycle} is stale, expected {session.cycle + 1}")
-            self.engine.submit(request_id, draft)
-            session.waiter = asyncio.get_running_loop().create_future()
+            ahead = session.ahead
+            if ahead is not None and draft:
+                raise InvalidRequestError(f"request {request_id!r} was prefilled to run ahead plainly: no drafts")
+            if ahead is not None and ahead.done:  # taken at once; the step after them is queued
+                out = ahead.take()
+                self._queue_ahead(request_id, session)
+            else:
+                if self.engine.is_ready(request_id):  # none queued (or no run-ahead): this call's step
+                    self.engine.submit(request_id, draft)
+                session.waiter = asyncio.get_running_loop().create_future()
+                out = None
         self._wake.set()
-        out: StepOutput = await session.waiter
+        if out is None:
+            out = await session.waiter
         session.cycle = cycle
         session.lease.touch()
-        return Verified(out, self.engine.num_tokens(request_id))
+        return Verified(out, self.engine.num_tokens(request_id) - (ahead.untaken() if ahead else 0))
 
     async def release(self, request_id: str) -> bool:
         async with self._lock:
@@ -144,7 +165,7 @@ class VerifierService(TierLoop):
 
     def _ready(self) -> bool:
         """Every prefilled session has its next cycle queued."""
-        return not any(s.prefilled and s.waiter is None for s in self._sessions.values())
+        return not any(s.prefilled and s.waiter is None and s.ahead is None for s in self._sessions.values())
 
     def _deliver(self, out: StepOutput) -> None:
         session = self._sessions.get(out.request_id)
@@ -160,6 +181,34 @@ class VerifierService(TierLoop):
                 session.prompt_logprobs.extend(out.prompt_logprobs)
             if out.kind is None:
                 return
+        if session.ahead is not None:
+            self._deliver_ahead(out, session)
+            return
+        self._resolve(session, out)
+
+    def _deliver_ahead(self, out: StepOutput, session: _Session) -> None:
+        """The prefill's first token goes to its caller; a plain step to the verify call waiting, or is kept for
+        the next one. Then the next step is queued if the run-ahead has room."""
+        ahead = session.ahead
+        ahead.record(out)
+        if out.kind is OutcomeKind.FIRST:
+            self._resolve(session, out)
+        else:
+            ahead.done.append(out)
+            if session.waiter is not None:
+                self._resolve(session, ahead.take())
+        self._queue_ahead(out.request_id, session)
+
+    def _queue_ahead(self, request_id: str, session: _Session) -> None:
+        if not session.ahead.wants_step() or not self.engine.is_ready(request_id):
+            return
+        try:
+            self.engine.submit(request_id, None)
+        except InvalidRequestError:  # the slot is full: the router's next call meets the same error itself
+            session.ahead.ended = True
+
+    @staticmethod
+    def _resolve(session: _Session, out: StepOutput) -> None:
         waiter, session.waiter = session.waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_result(out)
@@ -178,8 +227,9 @@ class LocalVerifier:
     def __init__(self, service: VerifierService, profile: VerifierProfile | None = None):
         self.service, self._profile = service, profile or VerifierProfile("local")
 
-    async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of="") -> Prefilled:
-        return await self.service.prefill(request_id, prompt_ids, params, resume_ids, share_prefix_of)
+    async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of="",
+                      plain_ahead=0) -> Prefilled:
+        return await self.service.prefill(request_id, prompt_ids, params, resume_ids, share_prefix_of, plain_ahead)
 
     async def verify(self, request_id, cycle, draft, traceparent) -> Verified:
         return await self.service.verify(request_id, cycle, draft)

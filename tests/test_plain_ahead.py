@@ -1,0 +1,120 @@
+"""Plain decoding run ahead in the verifier (verifier_worker/plain_ahead.py): the same tokens as one step per
+call, several steps per reply when the caller is slow, no step past a stop token or max_tokens, bad use refused."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.router import Router, RouterConfig
+from router.session import RouterRequest
+from services.errors import InvalidRequestError
+from services.types import DraftBlock, SamplingParams
+from tests.conftest import make_engine, random_prompts
+from verifier_worker.plain_ahead import MAX_DEPTH
+from verifier_worker.service import LocalVerifier, VerifierService
+
+GREEDY = SamplingParams(max_tokens=24)
+SAMPLED = SamplingParams(max_tokens=24, temperature=1.0, seed=11)
+
+
+async def _service(model) -> VerifierService:
+    service = VerifierService(make_engine(model, max_batch_tokens=256), batch_window_s=0.0)
+    await service.start()
+    return service
+
+
+async def _decode(service: VerifierService, rid: str, prompt: list[int], params: SamplingParams, ahead: int,
+                  pause_s: float = 0.0) -> tuple[list[int], list[int]]:
+    """A caller of the verifier that sends no drafts → (tokens, tokens per reply); `pause_s` between calls."""
+    tokens = list((await service.prefill(rid, prompt, params, plain_ahead=ahead)).emitted)
+    replies, cycle = [], 0
+    while len(tokens) < params.max_tokens and tokens[-1] not in params.stop_token_ids:
+        await asyncio.sleep(pause_s)
+        cycle += 1
+        out = (await service.verify(rid, cycle, None)).output
+        tokens += out.emitted
+        replies.append(len(out.emitted))
+    return tokens, replies
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_running_ahead_gives_the_tokens_of_one_step_per_call(tiny_model, params):
+    prompts = random_prompts(3)
+
+    async def main():
+        service = await _service(tiny_model)
+        plain = [await _decode(service, f"p{i}", p, params, 0) for i, p in enumerate(prompts)]
+        ahead = await asyncio.gather(*(_decode(service, f"a{i}", p, params, 4, 0.01) for i, p in enumerate(prompts)))
+        await service.stop()
+        return plain, ahead
+
+    plain, ahead = asyncio.run(main())
+    assert [t for t, _ in ahead] == [t for t, _ in plain]
+    assert all(n == 1 for _, replies in plain for n in replies)
+    taken = [n for _, replies in ahead for n in replies]
+    assert max(taken) > 1 and max(taken) <= 4  # steps done while the caller slept, at most the depth
+
+
+def test_running_ahead_stops_at_a_stop_token_and_at_max_tokens(tiny_model):
+    prompt = random_prompts(1)[0]
+
+    async def main():
+        service = await _service(tiny_model)
+        reference, _ = await _decode(service, "ref", prompt, GREEDY, 0)
+        stop = reference[5]
+        params = SamplingParams(max_tokens=24, stop_token_ids=(stop,))
+        tokens, _ = await _decode(service, "stop", prompt, params, 8, 0.01)
+        await asyncio.sleep(0.05)  # time for steps that should not happen
+        after_stop = service.engine.num_tokens("stop") - len(prompt)
+        short = SamplingParams(max_tokens=6)
+        await service.prefill("short", prompt, short, plain_ahead=8)
+        await asyncio.sleep(0.05)
+        after_max = service.engine.num_tokens("short") - len(prompt)
+        await service.stop()
+        return reference, stop, tokens, after_stop, after_max
+
+    reference, stop, tokens, after_stop, after_max = asyncio.run(main())
+    cut = reference.index(stop) + 1
+    assert tokens == reference[:cut] and after_stop == cut
+    assert after_max == 6
+
+
+def test_a_run_ahead_request_refuses_drafts_and_bad_depths_change_nothing(tiny_model):
+    prompt = random_prompts(1)[0]
+
+    async def main():
+        service = await _service(tiny_model)
+        reference, _ = await _decode(service, "ref", prompt, GREEDY, 0)
+        with pytest.raises(InvalidRequestError, match="plain_ahead"):
+            await service.prefill("deep", prompt, GREEDY, plain_ahead=MAX_DEPTH + 1)
+        held = service.engine.num_running
+        first = (await service.prefill("r", prompt, GREEDY, plain_ahead=2)).emitted
+        with pytest.raises(InvalidRequestError, match="no drafts"):
+            await service.verify("r", 1, DraftBlock(tokens=reference[1:3]))
+        rest = (await service.verify("r", 1, None)).output.emitted
+        await service.stop()
+        return reference, held, first + rest
+
+    reference, held, tokens = asyncio.run(main())
+    assert held == 1  # the reference's slot only: the refused prefill holds none
+    assert tokens == reference[: len(tokens)] and len(tokens) >= 2
+
+
+def test_the_router_runs_plain_requests_ahead_with_the_same_output(tiny_model):
+    prompts = random_prompts(4)
+
+    async def main(ahead: int):
+        service = await _service(tiny_model)
+        router = Router(LocalVerifier(service), None, set(), RouterConfig(plain_ahead=ahead))
+
+        async def run(i, p):
+            params = SamplingParams(max_tokens=20, temperature=1.0 if i % 2 else 0.0, seed=i)
+            chunks = [c async for c in router.generate(RouterRequest(p, params, f"r{i}"))]
+            return [t for c in chunks for t in c.token_ids]
+        out = await asyncio.gather(*(run(i, p) for i, p in enumerate(prompts)))
+        await service.stop()
+        return out
+
+    assert asyncio.run(main(4)) == asyncio.run(main(0))
