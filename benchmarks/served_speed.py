@@ -93,6 +93,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the engine in both arms")
+    parser.add_argument("--plain-ahead", type=int, default=RouterSettings.model_fields["plain_ahead"].default,
+                        help="the router's plain_ahead (0: one verifier step per call)")
     parser.add_argument("--drafted", action="store_true", help="also the DSpark arm (a drafter process, 1 thread)")
     parser.add_argument("--json", default="benchmarks/results/served-speed-cpu.json")
     args = parser.parse_args()
@@ -103,8 +105,9 @@ def main() -> None:
                                                  drafters=[f"{args.model}-dspark"])))
     tiers = start_tiers(roles)
     drafted = {"drafter": tiers[1].address, "methods": ["dspark"], "method": "dspark", "policy": "fixed"} \
-        if args.drafted else {"method": "none", "policy": "none"}
-    router_settings = RouterSettings(model=args.model, port=0, verifier=tiers[0].address, max_model_len=512, **drafted)
+        if args.drafted else {"drafter": None, "method": "none", "policy": "none"}
+    router_settings = RouterSettings(model=args.model, port=0, verifier=tiers[0].address, max_model_len=512,
+                                     plain_ahead=args.plain_ahead, **drafted)
     tiers += start_tiers([("router", router_settings)])
     url = f"http://{tiers[-1].address}"
     arms = {"plain": (Policy.NONE, "none")} | ({"dspark": (Policy.FIXED, "dspark")} if args.drafted else {})
@@ -130,7 +133,8 @@ def main() -> None:
               f"tok/s   served / in-process {ratios[f'{name}_served_over_in_process']:.2f}   "
               f"served TTFT {med[f'{name}_served_ttft_ms']:.1f} ms")
     meta = {"machine": cpu_model(), "model": args.model, "threads": args.threads,
-            "torch": torch.__version__, "max_tokens": args.max_tokens, "prompts": len(PROMPTS), "dtype": "auto"}
+            "torch": torch.__version__, "max_tokens": args.max_tokens,
+            "plain_ahead": args.plain_ahead, "prompts": len(PROMPTS), "dtype": "auto"}
     with open(args.json, "w") as f:
         json.dump({**meta, "medians": med, **ratios, "rounds": per}, f, indent=2)
 
