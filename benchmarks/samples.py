@@ -53,9 +53,9 @@ class _Counting:
     def __init__(self, service):
         self.inner, self.positions = LocalVerifier(service), 0
 
-    async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of="", plain_ahead=0):
+    async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of="", plain=None):
         done = await self.inner.prefill(request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of,
-                                        plain_ahead)
+                                        plain)
         self.positions += len(prompt_ids) - done.feature_start
         return done
 

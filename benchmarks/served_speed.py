@@ -70,7 +70,7 @@ def served(url: str, args, method: str) -> tuple[list[float], list[float]]:
                     if line.startswith("data: ") and line != "data: [DONE]":
                         stamps.append(time.perf_counter())
             ttfts.append(stamps[0] - sent)
-            # One SSE event per cycle (plain: per token); the tokens are max_tokens in all.
+            # One SSE event per cycle (plain: per verifier reply, stream_interval tokens); max_tokens in all.
             speeds.append((args.max_tokens - 1) / (stamps[-1] - stamps[0]))
     return speeds, ttfts
 
@@ -95,6 +95,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the engine in both arms")
     parser.add_argument("--plain-ahead", type=int, default=RouterSettings.model_fields["plain_ahead"].default,
                         help="the router's plain_ahead (0: one verifier step per call)")
+    parser.add_argument("--stream-interval", type=int, default=RouterSettings.model_fields["stream_interval"].default,
+                        help="the router's stream_interval (tokens per verifier reply of a plain request)")
     parser.add_argument("--drafted", action="store_true", help="also the DSpark arm (a drafter process, 1 thread)")
     parser.add_argument("--json", default="benchmarks/results/served-speed-cpu.json")
     args = parser.parse_args()
@@ -107,7 +109,7 @@ def main() -> None:
     drafted = {"drafter": tiers[1].address, "methods": ["dspark"], "method": "dspark", "policy": "fixed"} \
         if args.drafted else {"drafter": None, "method": "none", "policy": "none"}
     router_settings = RouterSettings(model=args.model, port=0, verifier=tiers[0].address, max_model_len=512,
-                                     plain_ahead=args.plain_ahead, **drafted)
+                                     plain_ahead=args.plain_ahead, stream_interval=args.stream_interval, **drafted)
     tiers += start_tiers([("router", router_settings)])
     url = f"http://{tiers[-1].address}"
     arms = {"plain": (Policy.NONE, "none")} | ({"dspark": (Policy.FIXED, "dspark")} if args.drafted else {})
@@ -134,7 +136,8 @@ def main() -> None:
               f"served TTFT {med[f'{name}_served_ttft_ms']:.1f} ms")
     meta = {"machine": cpu_model(), "model": args.model, "threads": args.threads,
             "torch": torch.__version__, "max_tokens": args.max_tokens,
-            "plain_ahead": args.plain_ahead, "prompts": len(PROMPTS), "dtype": "auto"}
+            "plain_ahead": args.plain_ahead, "stream_interval": args.stream_interval, "prompts": len(PROMPTS),
+            "dtype": "auto"}
     with open(args.json, "w") as f:
         json.dump({**meta, "medians": med, **ratios, "rounds": per}, f, indent=2)
 

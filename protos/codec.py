@@ -8,7 +8,7 @@ import torch
 
 from protos.dspark.v1 import dspark_pb2 as pb
 from services.errors import InvalidRequestError
-from services.types import DraftBlock, OutcomeKind, SamplingParams, StepOutput, TokenLogprobs
+from services.types import DraftBlock, OutcomeKind, PlainRun, SamplingParams, StepOutput, TokenLogprobs
 
 _DTYPES = {pb.DTYPE_FLOAT32: torch.float32, pb.DTYPE_BFLOAT16: torch.bfloat16, pb.DTYPE_FLOAT16: torch.float16}
 _WIRE = {v: k for k, v in _DTYPES.items()}
@@ -100,6 +100,20 @@ def logprobs_from_pb(msg: pb.TokenLogprobs, present: bool) -> TokenLogprobs | No
     ids, values = list(msg.top_ids), list(msg.top_logprobs)
     return TokenLogprobs(list(msg.logprobs), [ids[i * k : (i + 1) * k] for i in range(n)],
                          [values[i * k : (i + 1) * k] for i in range(n)])
+
+
+def plain_run_to_pb(plain: PlainRun | None) -> dict:
+    """The PrefillRequest fields of a plain run (none: both 0)."""
+    return {} if plain is None else {"plain_ahead": plain.depth, "stream_interval": plain.interval}
+
+
+def plain_run_from_pb(msg: pb.PrefillRequest) -> PlainRun | None:
+    """plain_ahead 0 is no plain run (a stream_interval alone is then refused); stream_interval 0 means 1."""
+    if not msg.plain_ahead:
+        if msg.stream_interval:
+            raise InvalidRequestError("stream_interval needs plain_ahead")
+        return None
+    return PlainRun(msg.plain_ahead, msg.stream_interval or 1)
 
 
 def block_to_pb(block: DraftBlock | None) -> pb.DraftBlock:

@@ -26,6 +26,7 @@ from services.load_board import connect_board
 from services.registry import resolve_model
 from services.tls import read_tls
 from services.tokenizer import TextTokenizer
+from services.types import PlainRun
 
 
 def build_router(s: RouterSettings, tracer=None, discovery: Discovery | None = None,
@@ -44,7 +45,8 @@ def build_router(s: RouterSettings, tracer=None, discovery: Discovery | None = N
     default = Speculation(s.method, policy, s.gamma, ahead=s.draft_ahead and s.method != "none")
     config = RouterConfig(default=default, max_gamma=s.max_gamma,
                           threshold=s.threshold, max_running=s.max_running, max_queue=s.max_queue,
-                          verifier_retry_s=s.verifier_retry_s, plain_ahead=s.plain_ahead)
+                          verifier_retry_s=s.verifier_retry_s,
+                          plain=PlainRun(s.plain_ahead, s.stream_interval) if s.plain_ahead else None)
     name = s.served_model_name or model_dir.name
     board = BoardView(connect_board(s.redis_url), s.board_stale_ms / 1000) if s.redis_url else None
     router = Router(pools.verifier, pools.drafter, set(s.methods), config, tokenizer, tracer, model=name,

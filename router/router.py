@@ -30,7 +30,7 @@ from router.tiers.protocol import DrafterTier, VerifierTier
 from services.errors import CapacityError, InvalidRequestError, StaleCycleError, TierUnavailableError
 from services.tokenizer import TextTokenizer
 from services.tracing import current_traceparent
-from services.types import DraftBlock, Prefilled, Verified
+from services.types import DraftBlock, PlainRun, Prefilled, Verified
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class RouterConfig:
     max_queue: int = 256  # sessions waiting for a running slot; beyond it requests get CapacityError
     reattach_every: int = 16  # most cycles between attempts to reopen a lost drafter (backoff 1, 2, 4, ...)
     verifier_retry_s: float = 30.0  # how long a session keeps re-prefilling on a lost verifier
-    plain_ahead: int = 4  # plain steps (method none) a verifier may decode before the router asks (0: none)
+    plain: PlainRun | None = field(default_factory=PlainRun)  # how method none runs ahead on the verifier (None: not)
 
 
 class Router:
@@ -287,7 +287,7 @@ class Router:
             try:
                 return await self.verifier.prefill(s.request.request_id, s.request.prompt_ids, params,
                                                    s.output if resume else [], current_traceparent(), share,
-                                                   self.config.plain_ahead if s.spec.method == "none" else 0)
+                                                   self.config.plain if s.spec.method == "none" else None)
             except TierUnavailableError:
                 if time.monotonic() > deadline:
                     raise

@@ -33,7 +33,9 @@ class RouterSettings(Settings):
     threshold: float = Field(0.3, ge=0.0, le=1.0, description="λ of the threshold policy (and of dspark until the "
                              "verifier's SPS profile is known)")
     plain_ahead: int = Field(4, ge=0, le=64, description="plain decoding (method none): steps a verifier decodes "
-                           "before the router asks, each reply taking those done (0: one step per call)")
+                             "before the router asks, each reply taking those done (0: one step per call)")
+    stream_interval: int = Field(1, ge=1, le=64, description="plain decoding with plain_ahead: tokens a verifier "
+                                 "reply (and so an SSE event) waits for, fewer at the end (vLLM's --stream-interval)")
     explore_cycles: int = Field(8, ge=0, description="threshold and dspark verify whole blocks until this many "
                                 "cycles have verified drafts, so estimates that start low can learn (0: off)")
     redis_url: str | None = Field(None, description="read verifier load from this load board (null: count only "

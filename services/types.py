@@ -172,6 +172,16 @@ class Prefilled:
     feature_start: int = 0  # position of features[0]: > 0 when a sibling's cached prefix was copied
 
 
+@dataclass(frozen=True, slots=True)
+class PlainRun:
+    """A request that never carries a draft (method none), so its verifier may decode ahead of the router
+    (verifier_worker/plain_ahead.py): `depth` steps at most before they are asked for, and a reply waits until
+    `interval` steps are done (fewer at the request's end; vLLM's stream interval)."""
+
+    depth: int = 4
+    interval: int = 1
+
+
 @dataclass(slots=True)
 class Verified:
     output: StepOutput

@@ -10,7 +10,7 @@ import pytest
 from router.router import Router, RouterConfig
 from router.session import RouterRequest
 from services.errors import InvalidRequestError
-from services.types import DraftBlock, SamplingParams
+from services.types import DraftBlock, PlainRun, SamplingParams
 from tests.conftest import make_engine, random_prompts
 from verifier_worker.plain_ahead import MAX_DEPTH
 from verifier_worker.service import LocalVerifier, VerifierService
@@ -25,10 +25,10 @@ async def _service(model) -> VerifierService:
     return service
 
 
-async def _decode(service: VerifierService, rid: str, prompt: list[int], params: SamplingParams, ahead: int,
-                  pause_s: float = 0.0) -> tuple[list[int], list[int]]:
+async def _decode(service: VerifierService, rid: str, prompt: list[int], params: SamplingParams,
+                  plain: PlainRun | None, pause_s: float = 0.0) -> tuple[list[int], list[int]]:
     """A caller of the verifier that sends no drafts → (tokens, tokens per reply); `pause_s` between calls."""
-    tokens = list((await service.prefill(rid, prompt, params, plain_ahead=ahead)).emitted)
+    tokens = list((await service.prefill(rid, prompt, params, plain=plain)).emitted)
     replies, cycle = [], 0
     while len(tokens) < params.max_tokens and tokens[-1] not in params.stop_token_ids:
         await asyncio.sleep(pause_s)
@@ -45,16 +45,22 @@ def test_running_ahead_gives_the_tokens_of_one_step_per_call(tiny_model, params)
 
     async def main():
         service = await _service(tiny_model)
-        plain = [await _decode(service, f"p{i}", p, params, 0) for i, p in enumerate(prompts)]
-        ahead = await asyncio.gather(*(_decode(service, f"a{i}", p, params, 4, 0.01) for i, p in enumerate(prompts)))
+        plain = [await _decode(service, f"p{i}", p, params, None) for i, p in enumerate(prompts)]
+        ahead = await asyncio.gather(*(_decode(service, f"a{i}", p, params, PlainRun(4), 0.01)
+                                       for i, p in enumerate(prompts)))
+        spaced = await asyncio.gather(*(_decode(service, f"s{i}", p, params, PlainRun(6, 3))
+                                        for i, p in enumerate(prompts)))
         await service.stop()
-        return plain, ahead
+        return plain, ahead, spaced
 
-    plain, ahead = asyncio.run(main())
-    assert [t for t, _ in ahead] == [t for t, _ in plain]
+    plain, ahead, spaced = asyncio.run(main())
+    assert [t for t, _ in ahead] == [t for t, _ in plain] == [t for t, _ in spaced]
     assert all(n == 1 for _, replies in plain for n in replies)
     taken = [n for _, replies in ahead for n in replies]
     assert max(taken) > 1 and max(taken) <= 4  # steps done while the caller slept, at most the depth
+    # an interval of 3: every reply waits for 3 steps and takes at most the depth, but the last (the end)
+    assert all(3 <= n <= 6 for _, replies in spaced for n in replies[:-1])
+    assert all(1 <= replies[-1] <= 6 for _, replies in spaced)
 
 
 def test_running_ahead_stops_at_a_stop_token_and_at_max_tokens(tiny_model):
@@ -62,14 +68,14 @@ def test_running_ahead_stops_at_a_stop_token_and_at_max_tokens(tiny_model):
 
     async def main():
         service = await _service(tiny_model)
-        reference, _ = await _decode(service, "ref", prompt, GREEDY, 0)
+        reference, _ = await _decode(service, "ref", prompt, GREEDY, None)
         stop = reference[5]
         params = SamplingParams(max_tokens=24, stop_token_ids=(stop,))
-        tokens, _ = await _decode(service, "stop", prompt, params, 8, 0.01)
+        tokens, _ = await _decode(service, "stop", prompt, params, PlainRun(8, 4), 0.01)
         await asyncio.sleep(0.05)  # time for steps that should not happen
         after_stop = service.engine.num_tokens("stop") - len(prompt)
         short = SamplingParams(max_tokens=6)
-        await service.prefill("short", prompt, short, plain_ahead=8)
+        await service.prefill("short", prompt, short, plain=PlainRun(8))
         await asyncio.sleep(0.05)
         after_max = service.engine.num_tokens("short") - len(prompt)
         await service.stop()
@@ -86,11 +92,13 @@ def test_a_run_ahead_request_refuses_drafts_and_bad_depths_change_nothing(tiny_m
 
     async def main():
         service = await _service(tiny_model)
-        reference, _ = await _decode(service, "ref", prompt, GREEDY, 0)
+        reference, _ = await _decode(service, "ref", prompt, GREEDY, None)
         with pytest.raises(InvalidRequestError, match="plain_ahead"):
-            await service.prefill("deep", prompt, GREEDY, plain_ahead=MAX_DEPTH + 1)
+            await service.prefill("deep", prompt, GREEDY, plain=PlainRun(MAX_DEPTH + 1))
+        with pytest.raises(InvalidRequestError, match="stream_interval"):
+            await service.prefill("wide", prompt, GREEDY, plain=PlainRun(2, 3))
         held = service.engine.num_running
-        first = (await service.prefill("r", prompt, GREEDY, plain_ahead=2)).emitted
+        first = (await service.prefill("r", prompt, GREEDY, plain=PlainRun(2))).emitted
         with pytest.raises(InvalidRequestError, match="no drafts"):
             await service.verify("r", 1, DraftBlock(tokens=reference[1:3]))
         rest = (await service.verify("r", 1, None)).output.emitted
@@ -105,9 +113,9 @@ def test_a_run_ahead_request_refuses_drafts_and_bad_depths_change_nothing(tiny_m
 def test_the_router_runs_plain_requests_ahead_with_the_same_output(tiny_model):
     prompts = random_prompts(4)
 
-    async def main(ahead: int):
+    async def main(plain: PlainRun | None):
         service = await _service(tiny_model)
-        router = Router(LocalVerifier(service), None, set(), RouterConfig(plain_ahead=ahead))
+        router = Router(LocalVerifier(service), None, set(), RouterConfig(plain=plain))
 
         async def run(i, p):
             params = SamplingParams(max_tokens=20, temperature=1.0 if i % 2 else 0.0, seed=i)
@@ -117,4 +125,4 @@ def test_the_router_runs_plain_requests_ahead_with_the_same_output(tiny_model):
         await service.stop()
         return out
 
-    assert asyncio.run(main(4)) == asyncio.run(main(0))
+    assert asyncio.run(main(PlainRun(4, 2))) == asyncio.run(main(None))

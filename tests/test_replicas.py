@@ -52,7 +52,7 @@ class FakeClient:
         return (name, self.address)
 
     async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of="",
-                      plain_ahead=0):
+                      plain=None):
         return await self._call("prefill", request_id)
 
     async def verify(self, request_id, cycle, draft, traceparent):
@@ -605,11 +605,11 @@ def test_router_over_pools_survives_a_lost_verifier_and_drafter_replica():
             self.address, self.prefills, self.verifies = address, [], 0
 
         async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of="",
-                          plain_ahead=0):
+                          plain=None):
             doomed.setdefault("verifier", self.address)
             self.prefills.append(len(resume_ids))
             return await super().prefill(request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of,
-                                         plain_ahead)
+                                         plain)
 
         async def verify(self, request_id, cycle, draft, traceparent):
             self.verifies += 1

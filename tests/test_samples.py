@@ -70,7 +70,7 @@ def test_the_router_prefills_samples_beside_their_leader(tiny_model):
 
     class Spy(LocalVerifier):
         async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of="",
-                          plain_ahead=0):
+                          plain=None):
             done = await super().prefill(request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of)
             calls.append((request_id, share_prefix_of, done.feature_start))
             return done

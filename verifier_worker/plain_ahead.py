@@ -1,9 +1,10 @@
 """Plain decoding run ahead of the router: a request that will never carry a draft (method `none`) needs
 nothing from the router between two steps, so the verifier queues its next step as soon as the last one is
 done, up to `depth` steps before the router asks, and a verify call takes every step done since the last
-one as one reply. The router's hop (gRPC, its event loop, the API's stream) then overlaps the engine's
-next step instead of adding to it, and when the router is the slower side its per-token cost is shared by
-the tokens a reply carries (vLLM's stream interval does the same at its API).
+one as one reply, waiting for `interval` of them (fewer at the end). The router's hop (gRPC, its event
+loop, the API's stream) then overlaps the engine's next step instead of adding to it, and its per-message
+cost — on a machine with few cores, CPU taken from the engine — is shared by the tokens a reply carries
+(vLLM's and SGLang's --stream-interval do the same at their APIs).
 
 Lossless by construction: a plain step's output depends on the request's committed tokens and its
 generator only, never on when the step was queued. Steps past the router's end (a stop string only the
@@ -16,16 +17,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.types import SamplingParams, StepOutput, TokenLogprobs
+from services.errors import InvalidRequestError
+from services.types import PlainRun, SamplingParams, StepOutput, TokenLogprobs
 
 MAX_DEPTH = 64  # what a PrefillRequest may ask for (protos/dspark/v1/dspark.proto: plain_ahead)
+
+
+def check_plain_run(plain: PlainRun) -> None:
+    if not 1 <= plain.depth <= MAX_DEPTH:
+        raise InvalidRequestError(f"plain_ahead must be in [1, {MAX_DEPTH}], got {plain.depth}")
+    if not 1 <= plain.interval <= plain.depth:
+        raise InvalidRequestError(f"stream_interval must be in [1, plain_ahead = {plain.depth}], got {plain.interval}")
 
 
 @dataclass(slots=True)
 class PlainAhead:
     """One request's steps done ahead of the router, and whether another may be queued."""
 
-    depth: int  # steps done ahead at most (> 0)
+    run: PlainRun  # how far ahead, and how many steps a reply waits for
     params: SamplingParams
     emitted: int = 0  # tokens emitted since the prefill (the first included)
     ended: bool = False  # a stop token or max_tokens reached: queue nothing more on our own
@@ -39,7 +48,11 @@ class PlainAhead:
             self.ended = True
 
     def wants_step(self) -> bool:
-        return not self.ended and len(self.done) < self.depth
+        return not self.ended and len(self.done) < self.run.depth
+
+    def ready(self) -> bool:
+        """A reply is due: `interval` steps done, or some and no more will be queued."""
+        return len(self.done) >= self.run.interval or (self.ended and bool(self.done))
 
     def untaken(self) -> int:
         """Tokens the engine has committed that the router has not been given yet."""

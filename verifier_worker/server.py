@@ -35,7 +35,7 @@ class VerifierServicer(rpc.VerifierServicer):
                 params = validate.params(request.params)
                 done = await self.service.prefill(validate.request_id(request.request_id), list(request.prompt_ids),
                                                   params, list(request.resume_ids), request.share_prefix_of,
-                                                  request.plain_ahead)
+                                                  codec.plain_run_from_pb(request))
             except Exception as error:
                 await abort_with(context, error)
             return pb.PrefillReply(request_id=request.request_id, cycle=0, emitted=done.emitted,

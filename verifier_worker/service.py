@@ -6,7 +6,7 @@ pending (continuous batching across streams). The engine is touched only under `
 loop holds for the duration of a step: admissions, submissions and releases land between steps.
 
 Cycle bookkeeping: after prefill a request is at cycle 0; `verify` must carry the next cycle, anything
-else is stale (`StaleCycleError`) and changes nothing. A request prefilled with `plain_ahead` > 0 decodes
+else is stale (`StaleCycleError`) and changes nothing. A request prefilled with a `PlainRun` decodes
 plainly ahead of its verify calls (`verifier_worker/plain_ahead.py`); each call takes the steps done since
 the last one.
 """
@@ -25,6 +25,7 @@ from services.tier_loop import TierLoop
 from services.types import (
     DraftBlock,
     OutcomeKind,
+    PlainRun,
     Prefilled,
     SamplingParams,
     StepOutput,
@@ -34,7 +35,7 @@ from services.types import (
     VerifierProfile,
 )
 from verifier_worker.engine import Engine
-from verifier_worker.plain_ahead import MAX_DEPTH, PlainAhead
+from verifier_worker.plain_ahead import PlainAhead, check_plain_run
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class _Session:
     prompt_logprobs: TokenLogprobs | None = None  # prefill chunks so far, when asked for
     feature_start: int = 0  # position of the first prefill chunk (> 0 after a shared prefix)
     waiter: asyncio.Future | None = None
-    ahead: PlainAhead | None = None  # plain steps done before the router asks (prefilled with plain_ahead > 0)
+    ahead: PlainAhead | None = None  # plain steps done before the router asks (prefilled with a PlainRun)
 
 
 class VerifierService(TierLoop):
@@ -61,20 +62,19 @@ class VerifierService(TierLoop):
 
     # ---- session calls ------------------------------------------------------------------------
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      resume_ids: list[int] | None = None, share_prefix_of: str = "", plain_ahead: int = 0
+                      resume_ids: list[int] | None = None, share_prefix_of: str = "", plain: PlainRun | None = None
                       ) -> Prefilled:
-        """`plain_ahead`: the request is plain for its whole life; decode up to that many steps before the router
-        asks for them."""
+        """`plain`: the request is plain for its whole life; decode ahead of the router as it says."""
         self._check_open()
-        if not 0 <= plain_ahead <= MAX_DEPTH:
-            raise InvalidRequestError(f"plain_ahead must be in [0, {MAX_DEPTH}], got {plain_ahead}")
+        if plain is not None:
+            check_plain_run(plain)
         async with self._lock:
             if request_id in self._sessions:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             self.engine.add_request(request_id, prompt_ids, params, resume_ids or (), share_prefix_of)
             session = self._sessions[request_id] = _Session()
-            if plain_ahead:
-                session.ahead = PlainAhead(plain_ahead, params)
+            if plain is not None:
+                session.ahead = PlainAhead(plain, params)
             session.waiter = asyncio.get_running_loop().create_future()
         self._wake.set()
         try:
@@ -102,7 +102,7 @@ class VerifierService(TierLoop):
             ahead = session.ahead
             if ahead is not None and draft:
                 raise InvalidRequestError(f"request {request_id!r} was prefilled to run ahead plainly: no drafts")
-            if ahead is not None and ahead.done:  # taken at once; the step after them is queued
+            if ahead is not None and ahead.ready():  # taken at once; the step after them is queued
                 out = ahead.take()
                 self._queue_ahead(request_id, session)
             else:
@@ -195,7 +195,7 @@ class VerifierService(TierLoop):
             self._resolve(session, out)
         else:
             ahead.done.append(out)
-            if session.waiter is not None:
+            if session.waiter is not None and ahead.ready():
                 self._resolve(session, ahead.take())
         self._queue_ahead(out.request_id, session)
 
@@ -228,8 +228,8 @@ class LocalVerifier:
         self.service, self._profile = service, profile or VerifierProfile("local")
 
     async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of="",
-                      plain_ahead=0) -> Prefilled:
-        return await self.service.prefill(request_id, prompt_ids, params, resume_ids, share_prefix_of, plain_ahead)
+                      plain=None) -> Prefilled:
+        return await self.service.prefill(request_id, prompt_ids, params, resume_ids, share_prefix_of, plain)
 
     async def verify(self, request_id, cycle, draft, traceparent) -> Verified:
         return await self.service.verify(request_id, cycle, draft)

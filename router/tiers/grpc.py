@@ -22,7 +22,7 @@ from protos.serving import channel
 from protos.status import error_from_rpc
 from services.errors import TierUnavailableError
 from services.tls import TlsMaterial
-from services.types import DraftBlock, Prefilled, SamplingParams, Verified, VerifierProfile
+from services.types import DraftBlock, PlainRun, Prefilled, SamplingParams, Verified, VerifierProfile
 
 
 class _StreamPool:
@@ -110,10 +110,11 @@ class GrpcVerifier:
         self._streams = _StreamPool(address, self.stub.Verify, timeout_s)
 
     async def prefill(self, request_id, prompt_ids, params: SamplingParams, resume_ids, traceparent,
-                      share_prefix_of: str = "", plain_ahead: int = 0) -> Prefilled:
+                      share_prefix_of: str = "", plain: PlainRun | None = None) -> Prefilled:
         msg = pb.PrefillRequest(request_id=request_id, prompt_ids=prompt_ids, params=codec.params_to_pb(params),
                                 resume_ids=resume_ids, feature_dtype=self.feature_dtype, traceparent=traceparent,
-                                share_prefix_of=share_prefix_of, plain_ahead=plain_ahead)
+                                share_prefix_of=share_prefix_of,
+                                **codec.plain_run_to_pb(plain))
         reply = await _unary(self.address, self.stub.Prefill, msg, self.timeout_s)
         return Prefilled(list(reply.emitted), reply.committed, codec.tensor_from_pb(reply.features),
                          codec.logprobs_from_pb(reply.logprobs, reply.HasField("logprobs")),

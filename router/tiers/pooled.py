@@ -62,14 +62,14 @@ class _Pooled:
 
 class PooledVerifier(_Pooled):
     async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of="",
-                      plain_ahead=0) -> Prefilled:
+                      plain=None) -> Prefilled:
         """`share_prefix_of`: placed beside that request (a sibling sample), so its cached prompt can be copied."""
         rid, client = self.replicas.place(request_id, near=share_prefix_of)
         try:
             if share_prefix_of and self.replicas.placed(share_prefix_of) != (rid, client):
                 share_prefix_of = ""  # the sibling is elsewhere (or gone): a plain prefill
             return await client.prefill(request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of,
-                                        plain_ahead)
+                                        plain)
         except TierUnavailableError as error:
             self._lost(rid, client, error)
             raise

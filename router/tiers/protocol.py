@@ -12,16 +12,16 @@ from typing import Protocol
 
 import torch
 
-from services.types import DraftBlock, Prefilled, SamplingParams, Verified, VerifierProfile
+from services.types import DraftBlock, PlainRun, Prefilled, SamplingParams, Verified, VerifierProfile
 
 
 class VerifierTier(Protocol):
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      resume_ids: list[int], traceparent: str, share_prefix_of: str = "", plain_ahead: int = 0
-                      ) -> Prefilled:
+                      resume_ids: list[int], traceparent: str, share_prefix_of: str = "",
+                      plain: PlainRun | None = None) -> Prefilled:
         """`share_prefix_of`: a sibling sample's request id, whose cached prompt the replica may copy (a hint).
-        `plain_ahead`: the request never carries a draft; the replica may decode that many steps ahead of the
-        verify calls, each of which then takes every step done since the last."""
+        `plain`: the request never carries a draft; the replica may decode ahead of the verify calls, each of
+        which then takes the steps done since the last (services/types.py: PlainRun)."""
 
     async def verify(self, request_id: str, cycle: int, draft: DraftBlock | None, traceparent: str) -> Verified: ...
 

@@ -115,7 +115,7 @@ class DraftBlock(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseQ, _Mapping]] = ..., confidences: _Optional[_Iterable[float]] = ..., peaks: _Optional[_Iterable[float]] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "params", "resume_ids", "feature_dtype", "traceparent", "share_prefix_of", "plain_ahead")
+    __slots__ = ("request_id", "prompt_ids", "params", "resume_ids", "feature_dtype", "traceparent", "share_prefix_of", "plain_ahead", "stream_interval")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,7 @@ class PrefillRequest(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     SHARE_PREFIX_OF_FIELD_NUMBER: _ClassVar[int]
     PLAIN_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -132,7 +133,8 @@ class PrefillRequest(_message.Message):
     traceparent: str
     share_prefix_of: str
     plain_ahead: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., resume_ids: _Optional[_Iterable[int]] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., traceparent: _Optional[str] = ..., share_prefix_of: _Optional[str] = ..., plain_ahead: _Optional[int] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., resume_ids: _Optional[_Iterable[int]] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., traceparent: _Optional[str] = ..., share_prefix_of: _Optional[str] = ..., plain_ahead: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("request_id", "cycle", "emitted", "committed", "features", "logprobs", "prompt_logprobs", "feature_start")
