@@ -27,6 +27,7 @@ class TierLoop:
         self.lease_s, self.batch_window_s = lease_s, batch_window_s
         self._sessions: dict[str, Any] = {}  # request id → the tier's session (each holds a `lease`)
         self._lock = asyncio.Lock()
+        self._knocking = 0  # session calls waiting for `_lock` (`_turn`); a compute job may read it
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self.timer, self.stopping = StepTimer(), False
@@ -59,6 +60,20 @@ class TierLoop:
             session.lease.detach()
 
     # ---- for the tiers ------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _turn(self):
+        """`_lock` for a session call, counted while it waits, so a compute job running under the lock can tell
+        that a call is waiting and hand the lock back rather than go on."""
+        self._knocking += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self._knocking -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def _check_open(self) -> None:
         if self.stopping:
             raise TierUnavailableError(f"{self.role} is stopping")

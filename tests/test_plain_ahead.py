@@ -26,8 +26,9 @@ async def _service(model) -> VerifierService:
 
 
 async def _decode(service: VerifierService, rid: str, prompt: list[int], params: SamplingParams,
-                  plain: PlainRun | None, pause_s: float = 0.0) -> tuple[list[int], list[int]]:
-    """A caller of the verifier that sends no drafts → (tokens, tokens per reply); `pause_s` between calls."""
+                  plain: PlainRun | None, pause_s: float = 0.0, release: bool = True) -> tuple[list[int], list[int]]:
+    """A caller of the verifier that sends no drafts → (tokens, tokens per reply); `pause_s` between calls, the
+    slot freed at the end unless `release` is false."""
     tokens = list((await service.prefill(rid, prompt, params, plain=plain)).emitted)
     replies, cycle = [], 0
     while len(tokens) < params.max_tokens and tokens[-1] not in params.stop_token_ids:
@@ -36,6 +37,8 @@ async def _decode(service: VerifierService, rid: str, prompt: list[int], params:
         out = (await service.verify(rid, cycle, None)).output
         tokens += out.emitted
         replies.append(len(out.emitted))
+    if release:
+        await service.release(rid)
     return tokens, replies
 
 
@@ -71,7 +74,7 @@ def test_running_ahead_stops_at_a_stop_token_and_at_max_tokens(tiny_model):
         reference, _ = await _decode(service, "ref", prompt, GREEDY, None)
         stop = reference[5]
         params = SamplingParams(max_tokens=24, stop_token_ids=(stop,))
-        tokens, _ = await _decode(service, "stop", prompt, params, PlainRun(8, 4), 0.01)
+        tokens, _ = await _decode(service, "stop", prompt, params, PlainRun(8, 4), 0.01, release=False)
         await asyncio.sleep(0.05)  # time for steps that should not happen
         after_stop = service.engine.num_tokens("stop") - len(prompt)
         short = SamplingParams(max_tokens=6)
@@ -106,7 +109,7 @@ def test_a_run_ahead_request_refuses_drafts_and_bad_depths_change_nothing(tiny_m
         return reference, held, first + rest
 
     reference, held, tokens = asyncio.run(main())
-    assert held == 1  # the reference's slot only: the refused prefill holds none
+    assert held == 0  # the refused prefills hold no slot
     assert tokens == reference[: len(tokens)] and len(tokens) >= 2
 
 

@@ -152,6 +152,12 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._waiting) or any(r.in_prefill or r.pending is not None for r in self._running.values())
 
+    def queued_cycles(self) -> list[str] | None:
+        """Requests with a cycle queued for the next step; None while a prefill is waiting or under way."""
+        if self._waiting or any(r.in_prefill for r in self._running.values()):
+            return None
+        return [r.request_id for r in self._running.values() if r.pending is not None]
+
     @property
     def num_running(self) -> int:
         return len(self._running)

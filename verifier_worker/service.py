@@ -68,7 +68,7 @@ class VerifierService(TierLoop):
         self._check_open()
         if plain is not None:
             check_plain_run(plain)
-        async with self._lock:
+        async with self._turn():
             if request_id in self._sessions:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             self.engine.add_request(request_id, prompt_ids, params, resume_ids or (), share_prefix_of)
@@ -92,7 +92,7 @@ class VerifierService(TierLoop):
 
     async def verify(self, request_id: str, cycle: int, draft: DraftBlock | None) -> Verified:
         self._check_open()
-        async with self._lock:
+        async with self._turn():
             session = self._sessions.get(request_id)
             if session is None or session.waiter is not None:
                 state = "unknown" if session is None else "busy"
@@ -118,7 +118,7 @@ class VerifierService(TierLoop):
         return Verified(out, self.engine.num_tokens(request_id) - (ahead.untaken() if ahead else 0))
 
     async def release(self, request_id: str) -> bool:
-        async with self._lock:
+        async with self._turn():
             return self._drop(request_id, asyncio.CancelledError())
 
     def load(self) -> VerifierLoad:
@@ -142,7 +142,7 @@ class VerifierService(TierLoop):
         while self.engine.has_work():
             async with self._lock:
                 try:
-                    outputs = await self.compute(self.engine.step)
+                    outputs = await self.compute(self._step)
                 except Exception:
                     self._fail_all()
                     return
@@ -150,6 +150,38 @@ class VerifierService(TierLoop):
                     self._deliver(out)
             if not outputs:
                 return  # waiting requests with every slot taken by idle sessions: wait for a release
+
+    def _step(self) -> list[StepOutput]:
+        """In the compute thread, under `_lock`: one engine step; then, while the engine steps plain runs only, no
+        session call waits for the lock and no reply is due, their next steps here, with no hop through the event
+        loop between two of them (the loop thread's wake-ups cost a step of this size a fifth of its time)."""
+        last = self._absorb(self.engine.step())
+        outputs = list(last)
+        while last and self._knocking == 0 and self._only_plain_runs():
+            last = self._absorb(self.engine.step())
+            outputs += last
+        return outputs
+
+    def _absorb(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """A plain run's step joins its run's done steps and queues the next (`_deliver` answers the call)."""
+        for out in outputs:
+            session = self._sessions.get(out.request_id)
+            if session is not None and session.ahead is not None and out.kind not in (None, OutcomeKind.FIRST):
+                session.ahead.record(out)
+                session.ahead.done.append(out)
+                self._queue_ahead(out.request_id, session)
+        return outputs
+
+    def _only_plain_runs(self) -> bool:
+        """The next step would serve plain runs only, and none of them has a reply due."""
+        queued = self.engine.queued_cycles()
+        if not queued:
+            return False
+        for rid in queued:
+            session = self._sessions.get(rid)
+            if session is None or session.ahead is None or (session.waiter is not None and session.ahead.ready()):
+                return False
+        return True
 
     def _on_stop(self, reason: BaseException) -> None:
         for rid in list(self._sessions):
@@ -187,17 +219,15 @@ class VerifierService(TierLoop):
         self._resolve(session, out)
 
     def _deliver_ahead(self, out: StepOutput, session: _Session) -> None:
-        """The prefill's first token goes to its caller; a plain step to the verify call waiting, or is kept for
-        the next one. Then the next step is queued if the run-ahead has room."""
+        """The prefill's first token goes to its caller, and the run's first step is queued; a plain step (absorbed
+        in the compute thread) answers the verify call waiting once a reply is due."""
         ahead = session.ahead
-        ahead.record(out)
         if out.kind is OutcomeKind.FIRST:
+            ahead.record(out)
             self._resolve(session, out)
-        else:
-            ahead.done.append(out)
-            if session.waiter is not None and ahead.ready():
-                self._resolve(session, ahead.take())
-        self._queue_ahead(out.request_id, session)
+            self._queue_ahead(out.request_id, session)
+        elif session.waiter is not None and ahead.ready():
+            self._resolve(session, ahead.take())
 
     def _queue_ahead(self, request_id: str, session: _Session) -> None:
         if not session.ahead.wants_step() or not self.engine.is_ready(request_id):
