@@ -32,9 +32,9 @@ class RouterSettings(Settings):
                            "blocks of at most 64)")
     threshold: float = Field(0.3, ge=0.0, le=1.0, description="λ of the threshold policy (and of dspark until the "
                              "verifier's SPS profile is known)")
-    plain_ahead: int = Field(4, ge=0, le=64, description="plain decoding (method none): steps a verifier decodes "
+    plain_ahead: int = Field(8, ge=0, le=64, description="plain decoding (method none): steps a verifier decodes "
                              "before the router asks, each reply taking those done (0: one step per call)")
-    stream_interval: int = Field(1, ge=1, le=64, description="plain decoding with plain_ahead: tokens a verifier "
+    stream_interval: int = Field(4, ge=1, le=64, description="plain decoding with plain_ahead: tokens a verifier "
                                  "reply (and so an SSE event) waits for, fewer at the end (vLLM's --stream-interval)")
     explore_cycles: int = Field(8, ge=0, description="threshold and dspark verify whole blocks until this many "
                                 "cycles have verified drafts, so estimates that start low can learn (0: off)")
@@ -61,6 +61,12 @@ class RouterSettings(Settings):
                                 "413 unread")
     traces: Traces = "none"
     otlp_traces_endpoint: str | None = None
+
+    @model_validator(mode="after")
+    def _interval_within_depth(self) -> RouterSettings:
+        if self.plain_ahead and self.stream_interval > self.plain_ahead:
+            raise ValueError(f"stream_interval ({self.stream_interval}) exceeds plain_ahead ({self.plain_ahead})")
+        return self
 
     @model_validator(mode="after")
     def _secrets_from_environment(self) -> RouterSettings:

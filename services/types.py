@@ -178,8 +178,8 @@ class PlainRun:
     (verifier_worker/plain_ahead.py): `depth` steps at most before they are asked for, and a reply waits until
     `interval` steps are done (fewer at the request's end; vLLM's stream interval)."""
 
-    depth: int = 4
-    interval: int = 1
+    depth: int = 8
+    interval: int = 4
 
 
 @dataclass(slots=True)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from pydantic import ValidationError
 
 from router.router import Router, RouterConfig
 from router.session import RouterRequest
+from router.settings import RouterSettings
 from services.errors import InvalidRequestError
 from services.types import DraftBlock, PlainRun, SamplingParams
 from tests.conftest import make_engine, random_prompts
@@ -49,7 +51,7 @@ def test_running_ahead_gives_the_tokens_of_one_step_per_call(tiny_model, params)
     async def main():
         service = await _service(tiny_model)
         plain = [await _decode(service, f"p{i}", p, params, None) for i, p in enumerate(prompts)]
-        ahead = await asyncio.gather(*(_decode(service, f"a{i}", p, params, PlainRun(4), 0.01)
+        ahead = await asyncio.gather(*(_decode(service, f"a{i}", p, params, PlainRun(4, 1), 0.01)
                                        for i, p in enumerate(prompts)))
         spaced = await asyncio.gather(*(_decode(service, f"s{i}", p, params, PlainRun(6, 3))
                                         for i, p in enumerate(prompts)))
@@ -78,7 +80,7 @@ def test_running_ahead_stops_at_a_stop_token_and_at_max_tokens(tiny_model):
         await asyncio.sleep(0.05)  # time for steps that should not happen
         after_stop = service.engine.num_tokens("stop") - len(prompt)
         short = SamplingParams(max_tokens=6)
-        await service.prefill("short", prompt, short, plain=PlainRun(8))
+        await service.prefill("short", prompt, short, plain=PlainRun(8, 1))
         await asyncio.sleep(0.05)
         after_max = service.engine.num_tokens("short") - len(prompt)
         await service.stop()
@@ -97,11 +99,11 @@ def test_a_run_ahead_request_refuses_drafts_and_bad_depths_change_nothing(tiny_m
         service = await _service(tiny_model)
         reference, _ = await _decode(service, "ref", prompt, GREEDY, None)
         with pytest.raises(InvalidRequestError, match="plain_ahead"):
-            await service.prefill("deep", prompt, GREEDY, plain=PlainRun(MAX_DEPTH + 1))
+            await service.prefill("deep", prompt, GREEDY, plain=PlainRun(MAX_DEPTH + 1, 1))
         with pytest.raises(InvalidRequestError, match="stream_interval"):
             await service.prefill("wide", prompt, GREEDY, plain=PlainRun(2, 3))
         held = service.engine.num_running
-        first = (await service.prefill("r", prompt, GREEDY, plain=PlainRun(2))).emitted
+        first = (await service.prefill("r", prompt, GREEDY, plain=PlainRun(2, 1))).emitted
         with pytest.raises(InvalidRequestError, match="no drafts"):
             await service.verify("r", 1, DraftBlock(tokens=reference[1:3]))
         rest = (await service.verify("r", 1, None)).output.emitted
@@ -129,3 +131,10 @@ def test_the_router_runs_plain_requests_ahead_with_the_same_output(tiny_model):
         return out
 
     assert asyncio.run(main(PlainRun(4, 2))) == asyncio.run(main(None))
+
+
+def test_router_settings_keep_the_interval_within_the_depth():
+    assert RouterSettings(plain_ahead=8, stream_interval=4).stream_interval == 4
+    assert RouterSettings(plain_ahead=0, stream_interval=4).plain_ahead == 0  # no plain run: the interval is moot
+    with pytest.raises(ValidationError, match="stream_interval"):
+        RouterSettings(plain_ahead=2, stream_interval=4)
