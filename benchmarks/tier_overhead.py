@@ -1,6 +1,6 @@
 """Tier overhead: what splitting drafter and verifier into gRPC services costs per cycle.
 
-The same greedy workload (shipped target + shipped DSpark drafter, γ = 7, fixed policy, fp32) runs
+The same greedy workload (shipped target + shipped DSpark drafter, γ = 7, fixed policy; fp32 unless `--dtype`) runs
 three ways in one run, at each concurrency c:
   in-process  — `LocalRouter`: one synchronous loop over the engine and the drafter (no asyncio, no RPC);
   async-local — the tiered router and the async tier cores in this process (asyncio, no RPC);
@@ -51,12 +51,13 @@ from verifier_worker.settings import VerifierSettings
 PROMPTS = ["def fibonacci(n):", "import os\n\n", "class Stack:\n    def push(self, item):", "for i in range(10):",
            "<|user|>\nWhat is 12 + 30?<|end|>\n<|assistant|>\n", "The quick brown fox", "def main():\n",
            "import numpy as np\n"]
-DRAFTER = "dspark-target-dspark"
+TIERS = {"model": "dspark-target", "dtype": "float32"}  # `--model`, `--dtype`: the same in every arm
 
 
 def settings():
-    v = VerifierSettings(dtype="float32", port=0, threads=1, num_slots=8, max_len=512)
-    d = DrafterSettings(dtype="float32", port=0, threads=1, drafters=[DRAFTER])
+    model, dtype = TIERS["model"], TIERS["dtype"]
+    v = VerifierSettings(model=model, dtype=dtype, port=0, threads=1, num_slots=8, max_len=512)
+    d = DrafterSettings(model=model, dtype=dtype, port=0, threads=1, drafters=[f"{model}-dspark"])
     return v, d
 
 
@@ -192,10 +193,13 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=3, help="medians over this many runs of each arm")
+    parser.add_argument("--model", default=TIERS["model"], help="target (its -dspark drafter drafts)")
+    parser.add_argument("--dtype", default=TIERS["dtype"], help="of both tiers in every arm (auto: bf16 where native)")
     parser.add_argument("--json", default="benchmarks/results/tier-overhead-cpu.json")
     args = parser.parse_args()
+    TIERS.update(model=args.model, dtype=args.dtype)
     torch.set_num_threads(1)
-    tok = TextTokenizer.from_dir(resolve_model("dspark-target"))
+    tok = TextTokenizer.from_dir(resolve_model(args.model))
     v, d = settings()
     tiers = [start_tier("verifier", v), start_tier("drafter", d)]
     rows = []
@@ -241,7 +245,8 @@ def main() -> None:
         for arm, split in r["breakdown_ms_per_cycle"].items():
             print(f"  c={r['concurrency']} {arm:<12} " + "  ".join(f"{k} {v:.2f}" for k, v in split.items()))
     meta = {"machine": cpu_model(), "cpus": torch.get_num_threads(),
-            "torch": torch.__version__, "max_tokens": args.max_tokens, "gamma": 7, "dtype": "float32"}
+            "torch": torch.__version__, "max_tokens": args.max_tokens, "gamma": 7, "model": args.model,
+            "dtype": args.dtype}
     with open(args.json, "w") as f:
         json.dump({**meta, "rows": rows}, f, indent=2)
 
