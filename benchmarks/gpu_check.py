@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine_speed import DRAFTERS, cpu_model, prompts
+from benchmarks.engine_speed import DATASETS, DRAFTERS, cpu_model, prompts
 from drafter_worker.checkpoint import drafter_config, load_drafter
 from drafter_worker.drafter import Drafter
 from router.offline import GenerationRequest, LocalRouter
@@ -65,7 +65,7 @@ def main() -> None:
     started = time.perf_counter()
     device = resolve_device(args.device)
     model_dir = resolve_model(args.model)
-    ids = prompts(TextTokenizer.from_dir(model_dir), args.prompts)
+    ids = prompts(TextTokenizer.from_dir(model_dir), DATASETS, args.prompts)
     names = [n for n in args.drafters.split(",") if n]
     taps = tuple(sorted({t for n in names for t in drafter_config(resolve_model(DRAFTERS[n])).tap_layers}))
     model = load_model(model_dir, "auto", device, tap_layers=taps)
