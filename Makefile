@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-MODEL ?= dspark-target
+MODEL ?= dspark-target-v2
 PROMPT ?= def fibonacci(n):
 
 .PHONY: install serve test lint bench bench-tiers bench-policies bench-ray soak bench-overload results-serving data target-v2 \
@@ -20,7 +20,7 @@ install: $(BIN)/dspark
 
 # Main job: the tiered server on embedded defaults. A local Ray instance on 127.0.0.1 runs one verifier replica
 # (shipped target) and one drafter replica (its shipped drafters) as actors; the OpenAI-compatible API listens on
-# http://127.0.0.1:8000/v1 (model "dspark-target", DSpark drafts, γ = 7, policy dspark). Ctrl-C stops it all.
+# http://127.0.0.1:8000/v1 (model "dspark-target-v2", DSpark drafts, γ = 7, policy dspark). Ctrl-C stops it all.
 serve: $(BIN)/dspark
 	$(BIN)/dspark serve --model $(MODEL)
 
@@ -61,13 +61,13 @@ bench-overload: $(BIN)/dspark
 # About 60 min.
 results-serving: $(BIN)/dspark
 	OMP_NUM_THREADS=1 $(BIN)/dspark profile --model $(MODEL) --threads 1 --context 256 --json > benchmarks/results/sps-cpu.json
-	$(BIN)/dspark bench --config benchmarks/configs/serving-pinned.yaml --concurrency 1,2,4,8 --requests 16 \
+	$(BIN)/dspark bench --model $(MODEL) --config benchmarks/configs/serving-pinned.yaml --concurrency 1,2,4,8 --requests 16 \
 		--max-tokens 64 --out-dir benchmarks/results/serving-cpu
-	$(BIN)/dspark bench --config benchmarks/configs/serving-pinned.yaml --concurrency 1,2,4,8 --requests 16 \
+	$(BIN)/dspark bench --model $(MODEL) --config benchmarks/configs/serving-pinned.yaml --concurrency 1,2,4,8 --requests 16 \
 		--max-tokens 64 --temperature 1 --out-dir benchmarks/results/serving-cpu-t1
-	$(BIN)/dspark bench --config benchmarks/configs/plain-two-cores.yaml --arms none --concurrency 1,2,4,8 \
+	$(BIN)/dspark bench --model $(MODEL) --config benchmarks/configs/plain-two-cores.yaml --arms none --concurrency 1,2,4,8 \
 		--requests 16 --max-tokens 64 --out-dir benchmarks/results/serving-cpu-plain-2cores
-	$(BIN)/dspark bench --concurrency "" --rates 0.5,1,2 --requests 16 --max-tokens 64 --dist-samples 100 \
+	$(BIN)/dspark bench --model $(MODEL) --concurrency "" --rates 0.5,1,2 --requests 16 --max-tokens 64 --dist-samples 100 \
 		--out-dir benchmarks/results/serving-cpu-open
 	$(BIN)/dspark simulate --bench benchmarks/results/serving-cpu/results.json --profile benchmarks/results/sps-cpu.json \
 		--validate --scale --ratio --out-dir benchmarks/results/simulate
@@ -137,7 +137,7 @@ drafters: data
 	OMP_NUM_THREADS=1 $(BIN)/dspark train drafter --method dflash --steps 600 & wait
 	$(BIN)/dspark train drafter --method mtp --steps 600
 	$(BIN)/dspark train drafter --method eagle3 --steps 250 --anchors 48
-	$(BIN)/dspark calibrate --drafter $(MODEL)-dspark --temperature 1
+	$(BIN)/dspark calibrate --drafter dspark-target-dspark --temperature 1
 
 # docs/results/acceptance.md: τ, per-position acceptance and calibration of every shipped drafter at γ 4, 7, 16
 # and T 0, 1; acceptance-batch1.md: the headline setting (γ = 7, T = 1) at batch 1 as DeepSpec runs it;

@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
     p.add_argument("--base-url", help="a running dspark API (default: start `dspark serve` for the run)")
     p.add_argument("--config", type=Path, help="`dspark serve --config` file of the stack it starts")
     p.add_argument("--api-key", default=os.environ.get("DSPARK_API_KEY"))
-    p.add_argument("--model", default="dspark-target")
+    p.add_argument("--model", help="target the stack it starts serves, and the requests' model (default: "
+                   "dspark-target)")
     p.add_argument("--arms", default=ARM_NAMES, help="comma-separated, from " + ARM_NAMES)
     p.add_argument("--concurrency", default="1,2,4,8", help="closed-loop concurrencies (empty: none)")
     p.add_argument("--rates", default="", help="open-loop Poisson request rates per second (empty: none)")
@@ -54,11 +55,12 @@ def run_bench(args: argparse.Namespace) -> int:
                                                          seed=args.seed),
                       [a for a in args.arms.split(",") if a], _numbers(args.concurrency, int),
                       _numbers(args.rates, float), args.requests, args.max_tokens, args.temperature, args.gamma,
-                      args.seed, slo, args.model, args.api_key, args.dist_samples)
+                      args.seed, slo, args.model or "dspark-target", args.api_key, args.dist_samples)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         if not args.base_url:
-            cfg.base_url = stack.enter_context(serve_locally(args.config, args.out_dir / "server.log"))
+            cfg.base_url = stack.enter_context(serve_locally(args.config, args.out_dir / "server.log",
+                                                                 args.model))
         total = len(cfg.arms) * (len(loads(cfg)) * cfg.requests + cfg.dist_samples)
         with Progress() as progress:
             task = progress.add_task("dspark bench", total=total)

@@ -13,14 +13,17 @@ import httpx
 
 
 @contextlib.contextmanager
-def serve_locally(config: Path | None, log: Path):
-    """`dspark serve` on a free loopback port for the run → its base URL; stopped (SIGTERM) afterwards."""
+def serve_locally(config: Path | None, log: Path, model: str | None = None):
+    """`dspark serve` on a free loopback port for the run → its base URL; stopped (SIGTERM) afterwards.
+    `model` (a shipped name or a directory) overrides the config's target for every role."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "cli.main", "serve", "--port", str(port)]
     if config is not None:
         cmd += ["--config", str(config)]
+    if model is not None:
+        cmd += ["--model", model]
     with log.open("w") as out:
         server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
