@@ -29,6 +29,7 @@ class RunAhead:
         self.drafter, self.budget = drafter, budget
         drafter.steering = steering
         self.cache = SpeculationCache()
+        self._missed: dict[str, int] = {}  # request → fan-out of its missed speculation, for its fresh block
 
     @property
     def model(self):
@@ -42,12 +43,21 @@ class RunAhead:
         self.drafter.release(request_id)
         self.drafter.steered.discard(request_id)
         self.cache.drop(request_id)
+        self._missed.pop(request_id, None)
 
     def cached(self, request_id: str, tokens: list[int], gamma: int) -> DraftBlock | None:
         """The block drafted ahead for the outcome `tokens` show (a hit), else None; either way the request's
-        speculation ends. No compute: the new features fold into the context at the next draft or speculation."""
+        speculation ends. No compute: the new features fold into the context at the next draft or speculation.
+        The block (this one, or on a miss the one drafted afresh) carries the speculation's fan-out."""
+        fanout = self.cache.fanout(request_id)
         block = self.cache.take(request_id, tokens) if gamma > 0 else None
-        return None if block is None else block.head(gamma)
+        if block is None:
+            if fanout:
+                self._missed[request_id] = fanout
+            return None
+        block = block.head(gamma)
+        block.fanout = fanout
+        return block
 
     def propose(self, contexts: dict[str, list[int]], gamma: int,
                 params: dict[str, SamplingParams] | None = None) -> dict[str, DraftBlock]:
@@ -58,6 +68,8 @@ class RunAhead:
                 self.drafter.fold(rid, tokens)  # the verified features still join the context
                 hits[rid] = block
         fresh = self.drafter.propose({rid: t for rid, t in contexts.items() if rid not in hits}, gamma, params)
+        for rid, block in fresh.items():
+            block.fanout = self._missed.pop(rid, 0)
         return {**fresh, **hits}
 
     def speculate(self, sent: dict[str, tuple[list[int], DraftBlock]], gamma: int,

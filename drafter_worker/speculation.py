@@ -127,6 +127,11 @@ class SpeculationCache:
             spec.blocks.update(blocks)
             self.stats.fanout += len(blocks)
 
+    def fanout(self, request_id: str) -> int:
+        """Blocks pre-drafted so far for the request's stored speculation (0: none stored)."""
+        spec = self._specs.get(request_id)
+        return 0 if spec is None else len(spec.blocks)
+
     def take(self, request_id: str, tokens: list[int]) -> DraftBlock | None:
         """The cached block for the outcome `tokens` show (a hit), else None (a miss); the entry is gone."""
         spec = self._specs.pop(request_id, None)

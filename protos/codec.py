@@ -120,7 +120,7 @@ def block_to_pb(block: DraftBlock | None) -> pb.DraftBlock:
     if block is None or not block.tokens:
         return pb.DraftBlock()
     msg = pb.DraftBlock(tokens=block.tokens, confidences=block.confidences or [], peaks=block.peaks or [],
-                        ahead=block.ahead)
+                        ahead=block.ahead, fanout=block.fanout)
     if block.q_ids is not None:
         msg.q.width = block.q_ids.shape[1]
         msg.q.token_ids.extend(block.q_ids.reshape(-1).tolist())
@@ -137,7 +137,7 @@ def block_from_pb(msg: pb.DraftBlock) -> DraftBlock:
     if msg.peaks and len(msg.peaks) != n:
         raise InvalidRequestError(f"{len(msg.peaks)} peaks for {n} draft tokens")
     block = DraftBlock(tokens=tokens, confidences=list(msg.confidences) or None, peaks=list(msg.peaks) or None,
-                       ahead=msg.ahead)
+                       ahead=msg.ahead, fanout=msg.fanout)
     if msg.q.ByteSize():  # an all-default q is no q: one-hot at each draft
         block.q_ids, block.q_probs = _sparse_q(msg.q, n)
     return block

@@ -39,6 +39,9 @@ class RouterMetrics:
                                          "speculation cache could not answer (drafted afresh)")
         self.ahead_accepted_per_pos = counter("spec_cache_accepted_tokens_per_pos", "Accepted draft tokens of "
                                               "blocks drafted ahead, by position (0-based)", ["position"])
+        self.spec_cache_fanout = Histogram(PREFIX + "spec_cache_fanout", "Blocks the drafter had pre-drafted for "
+                                           "a cycle's likely outcomes, per draft request after an ahead notice",
+                                           labels, buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.requests = counter("request_success", "Finished requests by finish reason", ["finished_reason"])
@@ -88,10 +91,12 @@ class RouterMetrics:
             for pos in range(accepted):
                 per_pos.labels(m, str(pos)).inc()
 
-    def ahead(self, hit: bool, accepted: int) -> None:
-        """A draft request after an ahead notice: answered from the cache (hit) or not; `accepted`: of a hit."""
+    def ahead(self, hit: bool, accepted: int, fanout: int = 0) -> None:
+        """A draft request after an ahead notice: answered from the cache (hit) or not; `accepted`: of a hit;
+        `fanout`: the blocks the drafter had pre-drafted for the cycle's outcomes."""
         m = self.model
         (self.spec_cache_hits if hit else self.spec_cache_misses).labels(m).inc()
+        self.spec_cache_fanout.labels(m).observe(fanout)
         for pos in range(accepted if hit else 0):
             self.ahead_accepted_per_pos.labels(m, str(pos)).inc()
 

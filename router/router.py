@@ -187,7 +187,7 @@ class Router:
             if ahead is not None:
                 await ahead
             if s.ahead_sent and block is not None:  # this cycle's draft request followed an ahead notice
-                self.metrics.ahead(block.ahead, out.num_accepted)
+                self.metrics.ahead(block.ahead, out.num_accepted, block.fanout)
             s.ahead_sent = ahead is not None
             verified_at = time.perf_counter()
             self.planner.observe(CycleRecord(s.request.request_id, s.spec.policy, s.spec.method, s.params.greedy,

@@ -105,6 +105,7 @@ class DraftBlock:
     # never from x_k): the acceptance signal of drafters without a confidence head
     peaks: list[float] | None = None
     ahead: bool = False  # drafted ahead, during the verification before (a speculation-cache hit)
+    fanout: int = 0  # after an ahead notice: blocks pre-drafted for this cycle's likely outcomes (hit or miss)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -119,6 +120,7 @@ class DraftBlock:
             confidences=None if self.confidences is None else self.confidences[cut],
             peaks=None if self.peaks is None else self.peaks[cut],
             ahead=self.ahead,
+            fanout=self.fanout,
         )
 
 

@@ -44,7 +44,8 @@ def test_the_cache_is_consumed_by_the_next_request():
     cache = SpeculationCache()
     block = DraftBlock(tokens=[4, 4], ahead=True)
     cache.store("r", Speculation(2, [9], {Outcome(0, 5): block}))
-    assert cache.take("r", [1, 2, 5]) is block and cache.stats.hits == 1
+    assert cache.fanout("r") == 1 and cache.fanout("other") == 0
+    assert cache.take("r", [1, 2, 5]) is block and cache.stats.hits == 1 and cache.fanout("r") == 0
     assert cache.take("r", [1, 2, 5]) is None and cache.stats.misses == 0  # nothing stored: not a miss
     cache.store("r", Speculation(2, [9], {Outcome(0, 5): block}))
     assert cache.take("r", [1, 2, 9, 3]) is None and cache.stats.misses == 1

@@ -330,16 +330,19 @@ def test_drafting_ahead_over_grpc_keeps_greedy_exact_and_hits(tokenizer):
         outputs = await asyncio.gather(*[_collect(router, r) for r in requests])
         m = router.metrics
         counts = (m.spec_cache_hits.labels("")._value.get(), m.spec_cache_misses.labels("")._value.get())
+        fanout = m.spec_cache_fanout.labels("")
+        counts += (fanout._sum.get(), sum(b.get() for b in fanout._buckets))
         dload = await drafter.load()
         await verifier.close()
         await drafter.close()
         return outputs, counts, dload
 
     try:
-        outputs, (hits, misses), dload = asyncio.run(run())
+        outputs, (hits, misses, fanout_sum, fanout_count), dload = asyncio.run(run())
     finally:
         drafter_proc.stop()
         verifier_proc.stop()
     assert outputs == plain_greedy([r.prompt_ids for r in requests], [r.params.max_tokens for r in requests])
     assert hits > 0 and misses > 0
+    assert fanout_count == hits + misses and fanout_sum >= hits  # the fan-out crossed the wire with each reply
     assert dload.contexts == 0

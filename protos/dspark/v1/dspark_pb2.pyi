@@ -101,18 +101,20 @@ class SparseQ(_message.Message):
     def __init__(self, width: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
-    __slots__ = ("tokens", "q", "confidences", "peaks", "ahead")
+    __slots__ = ("tokens", "q", "confidences", "peaks", "ahead", "fanout")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
     PEAKS_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
+    FANOUT_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     q: SparseQ
     confidences: _containers.RepeatedScalarFieldContainer[float]
     peaks: _containers.RepeatedScalarFieldContainer[float]
     ahead: bool
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseQ, _Mapping]] = ..., confidences: _Optional[_Iterable[float]] = ..., peaks: _Optional[_Iterable[float]] = ..., ahead: _Optional[bool] = ...) -> None: ...
+    fanout: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseQ, _Mapping]] = ..., confidences: _Optional[_Iterable[float]] = ..., peaks: _Optional[_Iterable[float]] = ..., ahead: _Optional[bool] = ..., fanout: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "params", "resume_ids", "feature_dtype", "traceparent", "share_prefix_of", "plain_ahead", "stream_interval")
