@@ -161,6 +161,7 @@ def _profile(args: argparse.Namespace) -> int:
 
     batch_tokens = tuple(int(b) for b in args.batch_tokens.split(","))
     model = load_model(resolve_model(args.model), args.dtype, args.device)
+    model.prepare_for_serving()  # the step a verifier runs (fused layers, packed linears), not the module path
     points = profile_sps(model, batch_tokens, args.context, args.tokens_per_request, args.repeats)
     if args.json:
         meta = {"model": str(args.model), "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),

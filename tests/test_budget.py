@@ -138,3 +138,14 @@ def test_each_verifier_replica_has_its_own_budget_and_a_moved_request_follows():
     assert planner.budget("b")[0] == "v2"
     planner.leave("b")
     assert list(planner.budget("c")[1].rows) == ["c"]
+
+
+def test_a_probe_verifies_its_whole_block_so_its_outcomes_teach_the_estimates():
+    row = survival([0.6, 0.5, 0.4])
+    budget = VerifyBudget(MEASURED, probe_s=(1.0, 4.0))
+    budget.trim("a", row, VerifierView())
+    budget.observe_cycle(1 / MEASURED(budget.plan.batch_tokens) + 0.030, drafted=True)  # drafting adds 30 ms
+    budget.step_s, budget.plan = 0.0, None
+    assert budget.wants_draft(VerifierView(), now=100.0)  # the first probe
+    length, plan = budget.trim("a", row, VerifierView(), now=100.0)
+    assert not plan.draft and length == len(row)  # not cut to nothing by λ = +inf

@@ -125,7 +125,8 @@ class VerifyPlanner:
         if cycle.decision is not None:
             self.acceptance.observe(cycle.method, cycle.greedy, cycle.decision.signals, cycle.verified, cycle.accepted)
         if cycle.policy is Policy.DSPARK:
-            budget.observe_cycle(cycle.cycle_s, drafted=cycle.decision is not None, hit=cycle.hit)
+            budget.observe_cycle(cycle.cycle_s, drafted=cycle.decision is not None, hit=cycle.hit,
+                                 verified=cycle.verified)
 
     def decide(self, request_id: str, policy: Policy, method: str, greedy: bool, block: DraftBlock, bound: int,
                tokens_needed: float = 0.0) -> Decision:
