@@ -103,11 +103,11 @@ def logprobs_from_pb(msg: pb.TokenLogprobs, present: bool) -> TokenLogprobs | No
 
 
 def plain_run_to_pb(plain: PlainRun | None) -> dict:
-    """The PrefillRequest fields of a plain run (none: both 0)."""
+    """The PrefillRequest (or VerifyRequest) fields of a plain run (none: both 0)."""
     return {} if plain is None else {"plain_ahead": plain.depth, "stream_interval": plain.interval}
 
 
-def plain_run_from_pb(msg: pb.PrefillRequest) -> PlainRun | None:
+def plain_run_from_pb(msg: pb.PrefillRequest | pb.VerifyRequest) -> PlainRun | None:
     """plain_ahead 0 is no plain run (a stream_interval alone is then refused); stream_interval 0 means 1."""
     if not msg.plain_ahead:
         if msg.stream_interval:

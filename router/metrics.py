@@ -68,6 +68,8 @@ class RouterMetrics:
                                         "their plan counted: "
                                         "board (a fresh load-board entry) or local (this router's own requests)",
                                         ["source"])
+        self.plain_handoffs = counter("scheduler_plain_handoffs", "dspark requests handed to a plain run on their "
+                                      "verifier for good, because their plan said drafting does not pay")
         self.drafts_skipped = counter("scheduler_drafts_skipped", "dspark cycles decoded without drafting because "
                                       "drafting did not pay at the verifier's load")
         self.pool_replicas = Gauge(PREFIX + "pool_replicas", "Serving replicas of each pool (draining ones left "

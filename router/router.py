@@ -45,6 +45,9 @@ class RouterConfig:
     reattach_every: int = 16  # most cycles between attempts to reopen a lost drafter (backoff 1, 2, 4, ...)
     verifier_retry_s: float = 30.0  # how long a session keeps re-prefilling on a lost verifier
     plain: PlainRun | None = field(default_factory=PlainRun)  # how method none runs ahead on the verifier (None: not)
+    # A dspark request whose plan says drafting does not pay is handed to such a plain run for the rest of its
+    # life (its plain cycles then cost what method none's do, not a round trip per token).
+    plain_handoff: bool = True
 
 
 class Router:
@@ -174,14 +177,14 @@ class Router:
         started = time.perf_counter()
         with self.tracer.start_as_current_span("cycle", attributes={"dspark.cycle": s.cycle}) as span:
             bound = max_verify_len(s.spec.policy, s.spec.gamma, s.remaining)
-            block = await self._draft(s, bound) if bound > 0 else None
+            block = await self._draft(s, bound) if bound > 0 and not s.handed_off else None
             decision = None
             if block:
                 block, decision = self._schedule(s, block, bound)
             ahead = ahead_notice(self.drafter, s, block, decision) if s.drafter_ok else None
             with self.tracer.start_as_current_span("verify") as vspan:
                 sent = time.perf_counter()
-                done = await self._verify(s, block)
+                done = await self._verify(s, block, self._handoff(s, block))
                 out = done.output
                 vspan.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted})
             if ahead is not None:
@@ -190,6 +193,12 @@ class Router:
                 self.metrics.ahead(block.ahead, out.num_accepted, block.fanout)
             s.ahead_sent = ahead is not None
             verified_at = time.perf_counter()
+            if s.handed_off:  # a plain run's reply is several steps, none of them a plan's cycle
+                self.metrics.cycle(0, 0)
+                s.observe_cycle(verified_at - started)
+                kept, text, logprobs = s.commit(out.emitted, out.logprobs)
+                span.set_attributes({"dspark.plain_run": True, "dspark.emitted": len(kept)})
+                return self._chunk(s, kept, text, logprobs=logprobs)
             self.planner.observe(CycleRecord(s.request.request_id, s.spec.policy, s.spec.method, s.params.greedy,
                                              decision, out.num_drafts, out.num_accepted, verified_at - sent,
                                              verified_at - started, bool(block and block.ahead)))
@@ -200,6 +209,17 @@ class Router:
             span.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted,
                                  "dspark.emitted": len(kept)})
             return self._chunk(s, kept, text, logprobs=logprobs)
+
+    def _handoff(self, s: Session, block: DraftBlock | None) -> PlainRun | None:
+        """The plain run to hand this request to, now: a dspark request that skipped drafting this cycle because
+        its plan says drafting does not pay at this load. One way (no probe follows); depends on the plan, which
+        rests on past cycles only, so the output is plain decoding's either way."""
+        if (s.handed_off or block is not None or not s.skipped_draft or not self.config.plain_handoff
+                or self.config.plain is None):
+            return None
+        s.handed_off = True
+        self.metrics.plain_handoffs.labels(self.model).inc()
+        return self.config.plain
 
     def _schedule(self, s: Session, block: DraftBlock, bound: int) -> tuple[DraftBlock, Decision]:
         """Trim a block to the ℓ the planner decides (at most `bound`, γ and the token budget)."""
@@ -233,7 +253,8 @@ class Router:
     async def _draft(self, s: Session, bound: int) -> DraftBlock | None:
         if self.drafter is None or s.spec.policy is Policy.NONE:
             return None
-        if not self.planner.wants_draft(s.request.request_id, s.spec.policy, s.spec.min_tokens_per_s):
+        s.skipped_draft = not self.planner.wants_draft(s.request.request_id, s.spec.policy, s.spec.min_tokens_per_s)
+        if s.skipped_draft:
             self.metrics.drafts_skipped.labels(self.model).inc()
             self.metrics.scheduler_cycles.labels(self.model, self.planner.source(s.request.request_id)).inc()
             return None  # the delta keeps growing; the next draft carries it
@@ -287,16 +308,19 @@ class Router:
             try:
                 return await self.verifier.prefill(s.request.request_id, s.request.prompt_ids, params,
                                                    s.output if resume else [], current_traceparent(), share,
-                                                   self.config.plain if s.spec.method == "none" else None)
+                                                   self.config.plain if s.spec.method == "none" or s.handed_off
+                                                   else None)
             except TierUnavailableError:
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.2)
 
-    async def _verify(self, s: Session, block: DraftBlock | None) -> Verified:
+    async def _verify(self, s: Session, block: DraftBlock | None, plain: PlainRun | None = None) -> Verified:
+        """`plain`: hand the request to a plain run with this call (after a re-prefill it is prefilled as one)."""
         for _ in range(3):
             try:
-                done = await self.verifier.verify(s.request.request_id, s.vcycle + 1, block, current_traceparent())
+                done = await self.verifier.verify(s.request.request_id, s.vcycle + 1, block, current_traceparent(),
+                                                  plain)
                 s.vcycle += 1
                 return done
             except (TierUnavailableError, StaleCycleError) as error:

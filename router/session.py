@@ -87,6 +87,8 @@ class Session:
     detached_at: int | None = None  # cycle at which the drafter was lost
     reattach_wait: int = 0  # cycles to wait after a loss before reopening (doubles while reopening fails)
     ahead_sent: bool = False  # the last cycle's block went with an ahead notice to the drafter
+    skipped_draft: bool = False  # this cycle's plan said drafting does not pay (policy dspark)
+    handed_off: bool = False  # decoded by a plain run on the verifier from now on (RouterConfig.plain_handoff)
     # Delta for the drafter since its last message: tokens and features of newly committed positions.
     new_ids: list[int] = field(default_factory=list)
     new_features: list[torch.Tensor] = field(default_factory=list)

@@ -36,6 +36,8 @@ class RouterSettings(Settings):
                              "before the router asks, each reply taking those done (0: one step per call)")
     stream_interval: int = Field(4, ge=1, le=64, description="plain decoding with plain_ahead: tokens a verifier "
                                  "reply (and so an SSE event) waits for, fewer at the end (vLLM's --stream-interval)")
+    plain_handoff: bool = Field(True, description="with plain_ahead: a dspark request whose plan says drafting does "
+                                "not pay is handed to a plain run on its verifier for the rest of its life")
     explore_cycles: int = Field(8, ge=0, description="threshold and dspark verify whole blocks until this many "
                                 "cycles have verified drafts, so estimates that start low can learn (0: off)")
     redis_url: str | None = Field(None, description="read verifier load from this load board (null: count only "

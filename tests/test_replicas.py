@@ -55,7 +55,7 @@ class FakeClient:
                       plain=None):
         return await self._call("prefill", request_id)
 
-    async def verify(self, request_id, cycle, draft, traceparent):
+    async def verify(self, request_id, cycle, draft, traceparent, plain=None):
         return await self._call("verify", request_id, cycle)
 
     async def release(self, request_id):
@@ -611,12 +611,12 @@ def test_router_over_pools_survives_a_lost_verifier_and_drafter_replica():
             return await super().prefill(request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of,
                                          plain)
 
-        async def verify(self, request_id, cycle, draft, traceparent):
+        async def verify(self, request_id, cycle, draft, traceparent, plain=None):
             self.verifies += 1
             if doomed["verifier"] == self.address and self.verifies == 3:
                 await self.service.release(request_id)
                 raise TierUnavailableError("verifier replica restarted")
-            return await super().verify(request_id, cycle, draft, traceparent)
+            return await super().verify(request_id, cycle, draft, traceparent, plain)
 
     class DoomedDrafter(LocalDrafter):
         def __init__(self, address, service):

@@ -167,12 +167,12 @@ class _FlakyVerifier(LocalVerifier):
 
     calls = 0
 
-    async def verify(self, request_id, cycle, draft, traceparent):
+    async def verify(self, request_id, cycle, draft, traceparent, plain=None):
         self.calls += 1
         if self.calls == 3:
             await self.service.release(request_id)
             raise TierUnavailableError("replica restarted")
-        return await super().verify(request_id, cycle, draft, traceparent)
+        return await super().verify(request_id, cycle, draft, traceparent, plain)
 
 
 def test_a_lost_verifier_is_replaced_by_a_re_prefill_from_committed_tokens(tokenizer):

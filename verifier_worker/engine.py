@@ -149,6 +149,15 @@ class Engine:
         """Committed tokens of a running request (no copy)."""
         return len(self._running[request_id].tokens)
 
+    def params(self, request_id: str) -> SamplingParams:
+        return self._running[request_id].params
+
+    def num_emitted(self, request_id: str) -> int:
+        """Tokens committed since the request's (re-)prefill, its first token included: what `params.max_tokens`
+        counts."""
+        req = self._running[request_id]
+        return len(req.tokens) - req.prompt_len
+
     def has_work(self) -> bool:
         return bool(self._waiting) or any(r.in_prefill or r.pending is not None for r in self._running.values())
 

@@ -53,7 +53,7 @@ class VerifierServicer(rpc.VerifierServicer):
             try:
                 block = validate.draft_block(msg.draft, self.service.engine.model.config.vocab_size)
                 dtype = codec.wire_dtype(msg.feature_dtype)
-                done = await self.service.verify(msg.request_id, msg.cycle, block)
+                done = await self.service.verify(msg.request_id, msg.cycle, block, codec.plain_run_from_pb(msg))
             except Exception as error:
                 return None, error
             out = done.output

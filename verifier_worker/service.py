@@ -90,8 +90,14 @@ class VerifierService(TierLoop):
         return Prefilled(out.emitted, committed, None if feats is None else feats[:rows], out.logprobs,
                          prompt_logprobs, session.feature_start)
 
-    async def verify(self, request_id: str, cycle: int, draft: DraftBlock | None) -> Verified:
+    async def verify(self, request_id: str, cycle: int, draft: DraftBlock | None,
+                     plain: PlainRun | None = None) -> Verified:
+        """`plain`: from this call on the request runs ahead plainly (a hand-off: no draft may come again)."""
         self._check_open()
+        if plain is not None:
+            check_plain_run(plain)
+            if draft:
+                raise InvalidRequestError("plain_ahead comes with an empty draft (it ends drafting)")
         async with self._turn():
             session = self._sessions.get(request_id)
             if session is None or session.waiter is not None:
@@ -99,9 +105,12 @@ class VerifierService(TierLoop):
                 raise StaleCycleError(f"request {request_id!r} is {state}")
             if cycle != session.cycle + 1:
                 raise StaleCycleError(f"request {request_id!r}: cycle {cycle} is stale, expected {session.cycle + 1}")
+            if plain is not None and session.ahead is None:
+                session.ahead = PlainAhead(plain, self.engine.params(request_id),
+                                           emitted=self.engine.num_emitted(request_id))
             ahead = session.ahead
             if ahead is not None and draft:
-                raise InvalidRequestError(f"request {request_id!r} was prefilled to run ahead plainly: no drafts")
+                raise InvalidRequestError(f"request {request_id!r} runs ahead plainly: no drafts")
             if ahead is not None and ahead.ready():  # taken at once; the step after them is queued
                 out = ahead.take()
                 self._queue_ahead(request_id, session)
@@ -261,8 +270,8 @@ class LocalVerifier:
                       plain=None) -> Prefilled:
         return await self.service.prefill(request_id, prompt_ids, params, resume_ids, share_prefix_of, plain)
 
-    async def verify(self, request_id, cycle, draft, traceparent) -> Verified:
-        return await self.service.verify(request_id, cycle, draft)
+    async def verify(self, request_id, cycle, draft, traceparent, plain=None) -> Verified:
+        return await self.service.verify(request_id, cycle, draft, plain)
 
     async def release(self, request_id) -> None:
         await self.service.release(request_id)

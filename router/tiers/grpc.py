@@ -121,9 +121,10 @@ class GrpcVerifier:
                          codec.logprobs_from_pb(reply.prompt_logprobs, reply.HasField("prompt_logprobs")),
                          reply.feature_start)
 
-    async def verify(self, request_id, cycle, draft: DraftBlock | None, traceparent) -> Verified:
+    async def verify(self, request_id, cycle, draft: DraftBlock | None, traceparent, plain=None) -> Verified:
         msg = pb.VerifyRequest(request_id=request_id, cycle=cycle, draft=codec.block_to_pb(draft),
-                               feature_dtype=self.feature_dtype, traceparent=traceparent)
+                               feature_dtype=self.feature_dtype, traceparent=traceparent,
+                               **codec.plain_run_to_pb(plain))
         reply = await self._streams.exchange(request_id, msg)
         return Verified(codec.outcome_from_pb(reply), reply.committed)
 

@@ -74,13 +74,13 @@ class PooledVerifier(_Pooled):
             self._lost(rid, client, error)
             raise
 
-    async def verify(self, request_id, cycle, draft, traceparent) -> Verified:
+    async def verify(self, request_id, cycle, draft, traceparent, plain=None) -> Verified:
         placed = self.replicas.placed(request_id)
         if placed is None:
             raise TierUnavailableError(f"request {request_id}: its verifier replica left the pool")
         rid, client = placed
         try:
-            return await client.verify(request_id, cycle, draft, traceparent)
+            return await client.verify(request_id, cycle, draft, traceparent, plain)
         except _LOST as error:
             if isinstance(error, TierUnavailableError):
                 self._lost(rid, client, error)

@@ -23,7 +23,9 @@ class VerifierTier(Protocol):
         `plain`: the request never carries a draft; the replica may decode ahead of the verify calls, each of
         which then takes the steps done since the last (services/types.py: PlainRun)."""
 
-    async def verify(self, request_id: str, cycle: int, draft: DraftBlock | None, traceparent: str) -> Verified: ...
+    async def verify(self, request_id: str, cycle: int, draft: DraftBlock | None, traceparent: str,
+                     plain: PlainRun | None = None) -> Verified:
+        """`plain` (no draft): from this cycle on the request runs ahead plainly on its verifier, for good."""
 
     async def release(self, request_id: str) -> None: ...
 

@@ -159,18 +159,22 @@ class PrefillReply(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., emitted: _Optional[_Iterable[int]] = ..., committed: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., feature_start: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("request_id", "cycle", "draft", "feature_dtype", "traceparent")
+    __slots__ = ("request_id", "cycle", "draft", "feature_dtype", "traceparent", "plain_ahead", "stream_interval")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     FEATURE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cycle: int
     draft: DraftBlock
     feature_dtype: DType
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., draft: _Optional[_Union[DraftBlock, _Mapping]] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    plain_ahead: int
+    stream_interval: int
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., draft: _Optional[_Union[DraftBlock, _Mapping]] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., traceparent: _Optional[str] = ..., plain_ahead: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
     __slots__ = ("request_id", "cycle", "emitted", "num_drafts", "num_accepted", "outcome", "feature_start", "features", "committed", "logprobs")
