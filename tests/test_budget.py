@@ -149,3 +149,15 @@ def test_a_probe_verifies_its_whole_block_so_its_outcomes_teach_the_estimates():
     assert budget.wants_draft(VerifierView(), now=100.0)  # the first probe
     length, plan = budget.trim("a", row, VerifierView(), now=100.0)
     assert not plan.draft and length == len(row)  # not cut to nothing by λ = +inf
+
+
+def test_a_request_admitted_alone_is_planned_from_the_last_block_seen():
+    row = survival([0.6, 0.5, 0.4])
+    budget = VerifyBudget(MEASURED)
+    budget.trim("a", row, VerifierView())
+    budget.observe_cycle(1 / MEASURED(budget.plan.batch_tokens) + 0.030, drafted=True)  # drafting adds 30 ms
+    budget.leave("a")
+    budget.join("b")  # alone, with no block of its own yet
+    budget.step_s, budget.plan = 0.0, None
+    assert not budget.current(VerifierView()).draft  # not the threshold policy's "draft on faith"
+    assert VerifyBudget(MEASURED).current(VerifierView()).draft  # nothing seen at all: it does draft

@@ -111,6 +111,9 @@ class VerifyBudget:
         self.sps = sps  # None until the verifier's profile is known: the threshold policy meanwhile
         self.fallback_threshold = fallback_threshold
         self.rows: dict[str, tuple[float, ...]] = {}  # survivals of each active request's last block
+        # The last block's survivals, kept when its request leaves: a request admitted while no other has a block
+        # (at c = 1, every request) is planned from them rather than drafting its first block on faith.
+        self.recent: tuple[float, ...] = ()
         self.alpha = alpha  # weight of the newest sample in the EMAs below
         self.step_s = 0.0  # verify round trip: how long a plan stays current
         self.plain_extra_s = 0.0  # a plain cycle's time beyond the profiled step
@@ -181,14 +184,15 @@ class VerifyBudget:
             length = max(leading(survivals, plan.threshold), sla_len(survivals, tokens_needed) if tokens_needed else 0)
         else:  # a probe: verified whole, so that its outcomes keep the estimates current — a block cut to
             length = len(survivals)  # nothing teaches nothing, and estimates that are low would then stay low
-        self.rows[request_id] = tuple(survivals)
+        self.rows[request_id] = self.recent = tuple(survivals)
         return length, plan
 
     def _replan(self, view: VerifierView, now: float) -> Plan:
         anchors = max(len(self.rows), 1)
-        if self.sps is None or not any(self.rows.values()):  # no profile or no block yet: threshold policy
+        rows = [row for row in self.rows.values() if row] or ([self.recent] if self.recent else [])
+        if self.sps is None or not rows:  # no profile or no block seen yet: threshold policy
             pool = [a for row in self.rows.values() for a in row if a >= self.fallback_threshold]
             return Plan(len(pool), self.fallback_threshold, anchors + len(pool), view.fallback, now)
-        k, lam = plan_budget(self.rows.values(), anchors, self.sps, view.other_requests, view.other_tokens,
+        k, lam = plan_budget(rows, anchors, self.sps, view.other_requests, view.other_tokens,
                              self.drafting_s, self.plain_extra_s)
         return Plan(k, lam, anchors + view.other_requests + view.other_tokens + k, view.fallback, now, draft=k > 0)
