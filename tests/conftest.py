@@ -61,6 +61,15 @@ def make_engine(model: CausalLM, **kw) -> Engine:
     return Engine(model, EngineConfig(**{**defaults, **kw}))
 
 
+async def started_verifier(model: CausalLM):
+    """A started in-process VerifierService over `model` with room for 256 batch tokens and no batch window."""
+    from verifier_worker.service import VerifierService
+
+    service = VerifierService(make_engine(model, max_batch_tokens=256), batch_window_s=0.0)
+    await service.start()
+    return service
+
+
 def random_prompts(n: int, vocab: int = VOCAB, seed: int = 7) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (3 + 9 * i,), generator=g).tolist() for i in range(n)]

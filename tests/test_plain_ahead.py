@@ -13,18 +13,12 @@ from router.session import RouterRequest
 from router.settings import RouterSettings
 from services.errors import InvalidRequestError
 from services.types import DraftBlock, PlainRun, SamplingParams
-from tests.conftest import make_engine, random_prompts
+from tests.conftest import random_prompts, started_verifier
 from verifier_worker.plain_ahead import MAX_DEPTH
 from verifier_worker.service import LocalVerifier, VerifierService
 
 GREEDY = SamplingParams(max_tokens=24)
 SAMPLED = SamplingParams(max_tokens=24, temperature=1.0, seed=11)
-
-
-async def _service(model) -> VerifierService:
-    service = VerifierService(make_engine(model, max_batch_tokens=256), batch_window_s=0.0)
-    await service.start()
-    return service
 
 
 async def _decode(service: VerifierService, rid: str, prompt: list[int], params: SamplingParams,
@@ -49,7 +43,7 @@ def test_running_ahead_gives_the_tokens_of_one_step_per_call(tiny_model, params)
     prompts = random_prompts(3)
 
     async def main():
-        service = await _service(tiny_model)
+        service = await started_verifier(tiny_model)
         plain = [await _decode(service, f"p{i}", p, params, None) for i, p in enumerate(prompts)]
         ahead = await asyncio.gather(*(_decode(service, f"a{i}", p, params, PlainRun(4, 1), 0.01)
                                        for i, p in enumerate(prompts)))
@@ -72,7 +66,7 @@ def test_running_ahead_stops_at_a_stop_token_and_at_max_tokens(tiny_model):
     prompt = random_prompts(1)[0]
 
     async def main():
-        service = await _service(tiny_model)
+        service = await started_verifier(tiny_model)
         reference, _ = await _decode(service, "ref", prompt, GREEDY, None)
         stop = reference[5]
         params = SamplingParams(max_tokens=24, stop_token_ids=(stop,))
@@ -96,7 +90,7 @@ def test_a_run_ahead_request_refuses_drafts_and_bad_depths_change_nothing(tiny_m
     prompt = random_prompts(1)[0]
 
     async def main():
-        service = await _service(tiny_model)
+        service = await started_verifier(tiny_model)
         reference, _ = await _decode(service, "ref", prompt, GREEDY, None)
         with pytest.raises(InvalidRequestError, match="plain_ahead"):
             await service.prefill("deep", prompt, GREEDY, plain=PlainRun(MAX_DEPTH + 1, 1))
@@ -119,7 +113,7 @@ def test_the_router_runs_plain_requests_ahead_with_the_same_output(tiny_model):
     prompts = random_prompts(4)
 
     async def main(plain: PlainRun | None):
-        service = await _service(tiny_model)
+        service = await started_verifier(tiny_model)
         router = Router(LocalVerifier(service), None, set(), RouterConfig(plain=plain))
 
         async def run(i, p):

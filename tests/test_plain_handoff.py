@@ -17,18 +17,12 @@ from services.errors import InvalidRequestError
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
 from services.types import DraftBlock, PlainRun, SamplingParams
-from tests.conftest import make_engine, random_prompts
+from tests.conftest import random_prompts, started_verifier
 from tests.tiers import PROMPTS, TARGET, plain_greedy, verifier_settings
 from verifier_worker.service import LocalVerifier, VerifierService
 
 GREEDY = SamplingParams(max_tokens=24)
 SAMPLED = SamplingParams(max_tokens=24, temperature=1.0, seed=5)
-
-
-async def _service(model) -> VerifierService:
-    service = VerifierService(make_engine(model, max_batch_tokens=256), batch_window_s=0.0)
-    await service.start()
-    return service
 
 
 async def _decode(verifier, rid: str, prompt: list[int], params: SamplingParams, handoff_at: int | None,
@@ -55,7 +49,7 @@ def test_a_request_handed_to_a_plain_run_mid_way_keeps_plain_decodings_tokens(ti
     prompt = random_prompts(1)[0]
 
     async def main():
-        service = await _service(tiny_model)
+        service = await started_verifier(tiny_model)
         reference, _ = await _decode(service, "ref", prompt, params, None)
         draft = reference[1:4] if params.greedy else None  # a drafted cycle before the hand-off
         handed, replies = await _decode(service, "h", prompt, params, 2, draft)
@@ -71,7 +65,7 @@ def test_after_the_hand_off_no_draft_is_taken_and_a_bad_hand_off_changes_nothing
     prompt = random_prompts(1)[0]
 
     async def main():
-        service = await _service(tiny_model)
+        service = await started_verifier(tiny_model)
         first = (await service.prefill("r", prompt, GREEDY)).emitted
         with pytest.raises(InvalidRequestError, match="empty draft"):
             await service.verify("r", 1, DraftBlock(tokens=[1, 2]), PlainRun(4, 2))
@@ -129,7 +123,7 @@ def test_the_router_hands_dspark_requests_that_skip_drafting_to_a_plain_run(tiny
         return [t for c in chunks for t in c.token_ids], len(chunks)
 
     async def main():
-        service = await _service(tiny_model)
+        service = await started_verifier(tiny_model)
         config = RouterConfig(default=Speculation("dspark", Policy.DSPARK, 7), plain=PlainRun(4, 2),
                               plain_handoff=handoff)
         router = Router(LocalVerifier(service), _UnusedDrafter(), {"dspark"}, config, planner=_NeverDrafts())
