@@ -21,7 +21,8 @@ STEP_S = 0.010
 def flat_cost(draft_s: float = 0.0, **kw) -> CostModel:
     """Constant 10 ms steps, free network and router, no batch window: cycles are exactly one step."""
     profile = StepProfile(SpsCurve((1, 10_000), (STEP_S * 1000, STEP_S * 1000)))
-    return CostModel(profile, {"default": DraftCost(draft_s)}, hop_s=0.0, router_s=0.0, batch_window_s=0.0, **kw)
+    return CostModel(profile, {"default": DraftCost(draft_s)}, **{"hop_s": 0.0, "router_s": 0.0, "batch_window_s": 0.0,
+                                                                   **kw})
 
 
 def fixed(accept: float, gamma: int = 3) -> Arm:
@@ -167,3 +168,28 @@ def test_gpu_example_profile_is_marked_illustrative():
     assert "ILLUSTRATIVE" in json.loads(path.read_text())["description"]
     profile = StepProfile.load(path)
     assert profile.step_s(64) == pytest.approx(0.025) and profile.step_s(512) == pytest.approx(0.050)
+
+
+def test_plain_runs_hide_the_round_trip_and_a_dspark_request_that_does_not_draft_joins_them():
+    """With a 5 ms round trip per exchange, a plain run replying every 4 steps decodes at nearly one step a token;
+    one exchange a token costs step + round trip. dspark with drafting too dear hands off to the same runs."""
+    work = Workload(8, 65, clients=1, requests=3)
+    slow_hop = dict(hop_s=0.0025)
+    exchange = simulate(Arm("none", "none"), flat_cost(**slow_hop), Cluster(1, 1), work)
+    runs = simulate(Arm("none", "none"), flat_cost(plain_run=4, **slow_hop), Cluster(1, 1), work)
+    assert exchange.per_user_tok_s_median == pytest.approx(1 / (STEP_S + 0.005), rel=0.02)
+    assert runs.per_user_tok_s_median > 0.9 / STEP_S and runs.tau == pytest.approx(4.0, rel=0.1)
+    arm = Arm("dspark", "dspark", "default", 4, (0.6,) * 4)
+    handed = simulate(arm, flat_cost(draft_s=0.05, plain_run=4, **slow_hop), Cluster(1, 1), work)
+    assert handed.requests == runs.requests and handed.draft_fraction < 0.2  # the first block, then runs
+    assert handed.per_user_tok_s_median > 0.8 * runs.per_user_tok_s_median
+
+
+def test_calibration_reads_plain_runs_from_a_none_cell_with_several_tokens_a_reply():
+    results = fixture_results()
+    plain = results["cells"][0]
+    plain["summary"]["tpot_ms_mean"] = 8.0  # one served step: the profiled one (12 ms) is 1.5 × slower
+    plain["server"]["verify_cycles"] /= 4  # four tokens a reply
+    cal = calibrate(results, FIXTURE_PROFILE)
+    assert cal.plain_run == 4 and cal.step_speed == pytest.approx(1.5)
+    assert cal.cost(FIXTURE_PROFILE).profile.step_s(1) == pytest.approx(0.008) and cal.router_s > 0

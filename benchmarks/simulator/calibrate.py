@@ -3,7 +3,10 @@
 Only the c = 1 cells are used here, where nothing overlaps and a cycle is a sum of its parts:
   hop_s      one-way router ↔ tier delay: not separable from the bench, so fixed at 0.3 ms (docs/serving.md:
              about 0.6 ms per gRPC round trip on this machine);
-  router_s   plain cycle time − step(1) − 2 hops, with the plain cycle = the `none` arm's TPOT at c = 1;
+  router_s   plain cycle time − step(1) − 2 hops, with the plain cycle = the `none` arm's TPOT at c = 1; where
+             `none` ran ahead on its verifier (plain runs: several tokens a reply) its TPOT is one step, so it
+             sets the profile's speed instead (served steps vs the profiled ones at 256 cached positions) and
+             router_s is the measured router work of a cycle, ROUTER_S (docs/results/engine.md, tier overhead);
   draft      per method: cycle time − step(1 + ℓ̄) − plain extra − 2 hops is one drafter step at batch 1, where
              cycle time = TPOT · decode tokens / verify cycles (≈ TPOT · τ) and ℓ̄ the measured mean verify length;
   ttft_offset  the `none` arm's TTFT at c = 1 − (step(P) + 2 hops): the profile's B = P point batches many short
@@ -25,6 +28,7 @@ from pathlib import Path
 from benchmarks.simulator.model import Arm, CostModel, DraftCost, StepProfile
 
 HOP_S = 0.0003  # one way; 0.6 ms per round trip (docs/serving.md, benchmarks/grpc_shapes.py)
+ROUTER_S = 0.0006  # the router's own work per cycle, instrumented (docs/results/engine.md: 0.54–0.63 ms)
 ARM_POLICY = {"none": ("none", "none"), "mtp1": ("mtp1", "mtp"), "eagle3": ("fixed", "eagle3"),
               "dflash": ("fixed", "dflash"), "dspark-fixed": ("fixed", "dspark"), "dspark": ("dspark", "dspark"),
               "dspark-ahead": ("dspark", "dspark")}
@@ -42,12 +46,16 @@ class Calibration:
     prompt_tokens: int
     output_tokens: int
     working: dict[str, dict] = field(default_factory=dict)  # method → cycle_ms, step_ms, verify_len, draft_ms
+    plain_run: int = 0  # tokens a reply of `none`'s plain runs carried (0: one exchange a token)
+    step_speed: float = 1.0  # the profile's steps over the served ones (set from plain runs)
 
     def cost(self, profile: StepProfile, slope: float = 0.0, contention: float = 1.0) -> CostModel:
         """The cost model; `slope` is the drafter's per-request cost as a fraction of its batch-1 step."""
         draft = {m: _split(s, slope) for m, s in self.draft_s.items()}
         draft["default"] = _split(_mean(self.draft_s.values()), slope)
-        return CostModel(profile, draft, self.hop_s, self.router_s, contention, self.ttft_offset_s)
+        served = StepProfile(profile.curve, profile.speed * self.step_speed)
+        return CostModel(served, draft, self.hop_s, self.router_s, contention, self.ttft_offset_s,
+                         plain_run=self.plain_run)
 
 
 def load_results(path: Path) -> dict:
@@ -128,7 +136,15 @@ def calibrate(results: dict, profile: StepProfile, hop_s: float = HOP_S) -> Cali
     s = plain["summary"]
     prompt = round(s["total_input_tokens"] / s["completed"])
     output = round(s["total_output_tokens"] / s["completed"])
-    plain_extra = max(cycle_s(plain) - profile.step_s(1), 2 * hop_s)
+    decode = s["total_output_tokens"] - s["completed"]
+    per_reply = decode / (plain["server"].get("verify_cycles") or decode)
+    plain_run, speed = 0, 1.0
+    if per_reply > 1.5:  # plain runs: TPOT is one served step, hidden hops and router work
+        plain_run, speed = round(per_reply), profile.step_s(1) / (s["tpot_ms_mean"] / 1000.0)
+        profile = StepProfile(profile.curve, profile.speed * speed)
+        plain_extra = ROUTER_S + 2 * hop_s
+    else:
+        plain_extra = max(cycle_s(plain) - profile.step_s(1), 2 * hop_s)
     router_s = plain_extra - 2 * hop_s
     ttft_offset = s["ttft_ms_mean"] / 1000.0 - profile.step_s(prompt) - 2 * hop_s
     draft_s, working = {}, {}
@@ -144,7 +160,8 @@ def calibrate(results: dict, profile: StepProfile, hop_s: float = HOP_S) -> Cali
                            "plain_extra_ms": plain_extra * 1e3, "draft_ms": draft_s[method] * 1e3}
     if not draft_s:
         draft_s["default"] = plain_extra
-    return Calibration(hop_s, router_s, ttft_offset, draft_s, arms_of(results), prompt, output, working)
+    return Calibration(hop_s, router_s, ttft_offset, draft_s, arms_of(results), prompt, output, working, plain_run,
+                       speed)
 
 
 def _mean(values) -> float:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from benchmarks.simulator.ahead import AheadDrafting
 from benchmarks.simulator.metrics import Tally, result
 from benchmarks.simulator.model import Arm, Cluster, CostModel, RequestStats, SimResult, Workload
+from benchmarks.simulator.plain_run import PlainRuns
 from benchmarks.simulator.policies import OWN_LOAD, Block, SimBudget, accepted, draw_block, verify_len
 
 
@@ -51,9 +52,12 @@ class Req:
     drafted: bool = False
     ahead_ready: bool = False  # its pre-drafting job finished since the last draft
     hit: bool = False  # this cycle's block came from the speculation cache
+    run: bool = False  # decoded by a plain run on its verifier from now on (plain_run.py)
+    run_left: int = 0  # tokens the run still has to step
+    run_done: int = 0  # steps done since its last reply
 
 
-class Simulation(AheadDrafting):
+class Simulation(AheadDrafting, PlainRuns):
     """One run of one arm on one cluster under one workload; `run()` → `SimResult`."""
 
     def __init__(self, arm: Arm, cost: CostModel, cluster: Cluster, workload: Workload, seed: int = 0):
@@ -129,6 +133,8 @@ class Simulation(AheadDrafting):
         req.drafted = bound > 0 and req.drafter >= 0 and (budget is None or budget.wants_draft(OWN_LOAD, self.now))
         if req.drafted:
             self.at(self.now + self.cost.hop_s, self.drafter_enqueue, req.drafter, rid)
+        elif self.runs_plainly(req):
+            self.start_run(req)
         else:
             self._send_verify(req, 0)
 
@@ -159,11 +165,12 @@ class Simulation(AheadDrafting):
         else:
             req.stats.cycles += 1
             self.tally.cycle(emitted, step_s, req.drafted)
-            if budget is not None:
+            if budget is not None and not req.run:
                 budget.observe_verify(self.now - req.verify_at)
                 budget.observe_cycle(self.now + self.cost.router_s - req.cycle_at, req.drafted, req.hit)
         if req.remaining > 0:
-            self.at(self.now + self.cost.router_s, self.begin_cycle, rid)
+            if not req.run:  # a run's verifier steps on by itself
+                self.at(self.now + self.cost.router_s, self.begin_cycle, rid)
             return
         self._finish(req)
 
@@ -228,6 +235,9 @@ class Simulation(AheadDrafting):
             if length < 0:
                 emitted = 1  # the prefill emits the first token
                 rep.sessions.add(rid)
+            elif self.reqs[rid].run:
+                self.run_step(rep, rid, step)
+                continue
             else:
                 req = self.reqs[rid]
                 emitted = 1 + (accepted(req.block, length, self.rng) if length else 0)
