@@ -18,7 +18,7 @@ from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
 from services.types import DraftBlock, PlainRun, SamplingParams
 from tests.conftest import random_prompts, started_verifier
-from tests.tiers import PROMPTS, TARGET, plain_greedy, verifier_settings
+from tests.tiers import PROMPTS, TARGET, FlakyVerifier, plain_greedy, verifier_settings
 from verifier_worker.service import LocalVerifier, VerifierService
 
 GREEDY = SamplingParams(max_tokens=24)
@@ -140,3 +140,24 @@ def test_the_router_hands_dspark_requests_that_skip_drafting_to_a_plain_run(tiny
         assert all(n < len(t) for t, n in handed)
     else:
         assert all(n == len(t) + 1 for t, n in handed)  # one chunk per token, and the finish
+
+
+def test_a_handed_off_request_that_loses_its_verifier_is_re_prefilled_as_a_plain_run(tiny_model):
+    prompt = random_prompts(1)[0]
+    params = SamplingParams(max_tokens=24)
+
+    async def main():
+        service = await started_verifier(tiny_model)
+        config = RouterConfig(default=Speculation("dspark", Policy.DSPARK, 7), plain=PlainRun(4, 2))
+        flaky = FlakyVerifier(service)
+        router = Router(flaky, _UnusedDrafter(), {"dspark"}, config, planner=_NeverDrafts())
+        chunks = [c async for c in router.generate(RouterRequest(prompt, params, "lost"))]
+        plain = Router(LocalVerifier(service), None, set(), RouterConfig(plain=None))
+        reference = [t async for c in plain.generate(RouterRequest(prompt, params, "ref")) for t in c.token_ids]
+        await service.stop()
+        return chunks, reference, router.metrics.verifier_reprefills.labels("")._value.get(), flaky.calls
+
+    chunks, reference, reprefills, calls = asyncio.run(main())
+    assert [t for c in chunks for t in c.token_ids] == reference
+    assert reprefills == 1 and calls > 3
+    assert len(chunks) < len(reference)  # runs of several tokens a reply, before and after the re-prefill

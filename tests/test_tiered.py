@@ -25,7 +25,7 @@ from services.errors import InvalidRequestError, TierUnavailableError
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
 from services.types import SamplingParams
-from tests.tiers import PROMPTS, TARGET, drafter_settings, plain_greedy, verifier_settings
+from tests.tiers import PROMPTS, TARGET, FlakyVerifier, drafter_settings, plain_greedy, verifier_settings
 from verifier_worker.main import verifier_service
 from verifier_worker.service import LocalVerifier
 
@@ -162,26 +162,13 @@ def test_drafter_rejects_inconsistent_context(tiers):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and load.contexts == 0
 
 
-class _FlakyVerifier(LocalVerifier):
-    """Loses the request (as a restarted replica would) on its third verify call."""
-
-    calls = 0
-
-    async def verify(self, request_id, cycle, draft, traceparent, plain=None):
-        self.calls += 1
-        if self.calls == 3:
-            await self.service.release(request_id)
-            raise TierUnavailableError("replica restarted")
-        return await super().verify(request_id, cycle, draft, traceparent, plain)
-
-
 def test_a_lost_verifier_is_replaced_by_a_re_prefill_from_committed_tokens(tokenizer):
     prompt = tokenizer.encode(PROMPTS[0])
 
     async def run():
         service = verifier_service(verifier_settings())
         await service.start()
-        router = Router(_FlakyVerifier(service), None, set(), RouterConfig(), tokenizer)
+        router = Router(FlakyVerifier(service), None, set(), RouterConfig(), tokenizer)
         tokens = await _collect(router, RouterRequest(prompt, SamplingParams(max_tokens=30),
                                                       stop_token_ids=tokenizer.eos_token_ids))
         reprefills = router.metrics.verifier_reprefills.labels("")._value.get()

@@ -17,11 +17,13 @@ from router.api.http import ApiConfig, build_app
 from router.main import build_router, tier_health
 from router.offline import GenerationRequest, LocalRouter
 from router.settings import RouterSettings
+from services.errors import TierUnavailableError
 from services.loader import load_model
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
 from services.types import SamplingParams
 from verifier_worker.engine import Engine, EngineConfig
+from verifier_worker.service import LocalVerifier
 from verifier_worker.settings import VerifierSettings
 
 TARGET = "dspark-target"
@@ -101,3 +103,16 @@ def api_server(settings: RouterSettings, tracer=None):
     finally:
         state["server"].should_exit = True
         thread.join(10)
+
+
+class FlakyVerifier(LocalVerifier):
+    """Loses the request (as a restarted replica would) on its third verify call."""
+
+    calls = 0
+
+    async def verify(self, request_id, cycle, draft, traceparent, plain=None):
+        self.calls += 1
+        if self.calls == 3:
+            await self.service.release(request_id)
+            raise TierUnavailableError("replica restarted")
+        return await super().verify(request_id, cycle, draft, traceparent, plain)
