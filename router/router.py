@@ -193,21 +193,17 @@ class Router:
                 self.metrics.ahead(block.ahead, out.num_accepted, block.fanout)
             s.ahead_sent = ahead is not None
             verified_at = time.perf_counter()
-            if s.handed_off:  # a plain run's reply is several steps, none of them a plan's cycle
-                self.metrics.cycle(0, 0)
-                s.observe_cycle(verified_at - started)
-                kept, text, logprobs = s.commit(out.emitted, out.logprobs)
-                span.set_attributes({"dspark.plain_run": True, "dspark.emitted": len(kept)})
-                return self._chunk(s, kept, text, logprobs=logprobs)
-            self.planner.observe(CycleRecord(s.request.request_id, s.spec.policy, s.spec.method, s.params.greedy,
-                                             decision, out.num_drafts, out.num_accepted, verified_at - sent,
-                                             verified_at - started, bool(block and block.ahead)))
+            if not s.handed_off:  # a plain run's reply: several steps, none a plan's cycle, features no drafter needs
+                self.planner.observe(CycleRecord(s.request.request_id, s.spec.policy, s.spec.method,
+                                                 s.params.greedy, decision, out.num_drafts, out.num_accepted,
+                                                 verified_at - sent, verified_at - started,
+                                                 bool(block and block.ahead)))
+                s.add_features(out.feature_start, out.features)
             self.metrics.cycle(out.num_drafts, out.num_accepted)
             s.observe_cycle(verified_at - started)
-            s.add_features(out.feature_start, out.features)
             kept, text, logprobs = s.commit(out.emitted, out.logprobs)
             span.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted,
-                                 "dspark.emitted": len(kept)})
+                                 "dspark.emitted": len(kept), "dspark.plain_run": s.handed_off})
             return self._chunk(s, kept, text, logprobs=logprobs)
 
     def _handoff(self, s: Session, block: DraftBlock | None) -> PlainRun | None:
