@@ -133,7 +133,7 @@ class Simulation(AheadDrafting, PlainRuns):
         req.drafted = bound > 0 and req.drafter >= 0 and (budget is None or budget.wants_draft(OWN_LOAD, self.now))
         if req.drafted:
             self.at(self.now + self.cost.hop_s, self.drafter_enqueue, req.drafter, rid)
-        elif self.runs_plainly(req):
+        elif self.runs_plainly():
             self.start_run(req)
         else:
             self._send_verify(req, 0)

@@ -11,8 +11,8 @@ from __future__ import annotations
 class PlainRuns:
     """Mixed into `Simulation`: starts runs and handles their steps."""
 
-    def runs_plainly(self, req) -> bool:
-        """Whether a request about to decode without drafts does so as a plain run."""
+    def runs_plainly(self) -> bool:
+        """Whether a request about to decode without drafts does so as a plain run (the same for all of an arm)."""
         return self.cost.plain_run > 0 and self.arm.policy in ("none", "dspark")
 
     def start_run(self, req) -> None:
