@@ -19,7 +19,7 @@ from drafter_worker.checkpoint import load_drafter, save_drafter, shared_names
 from drafter_worker.formats.writers import FORMATS, write_released
 from services.errors import ModelLoadError
 from services.loader import load_model
-from services.registry import resolve_model
+from services.registry import model_name, resolve_model
 
 
 def add_parser(sub) -> None:
@@ -50,7 +50,7 @@ def run_convert(args: argparse.Namespace) -> int:
         theirs = target.get_parameter("model." + name if name.startswith("embed") else name)
         if not torch.equal(mine, theirs):
             raise ModelLoadError(f"{args.src}: its {name} differs from the target's; dspark's layout shares it")
-    drafter.dconfig.target = model_dir.name
+    drafter.dconfig.target = model_name(args.target)
     out = save_drafter(drafter, args.out, getattr(torch, args.dtype), calibration)
     Console(stderr=True).print(f"wrote {drafter.dconfig.method} drafter (taps {list(drafter.dconfig.tap_layers)}) "
                                f"to {out}")

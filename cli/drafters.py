@@ -89,7 +89,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     from drafter_worker.config import default_config
     from services.chat_template import MASK
     from services.loader import load_model
-    from services.registry import resolve_model
+    from services.registry import model_name, resolve_model
     from training.drafter import DrafterTrainConfig, train
     from training.drafter_data import prepare
     from training.rollouts import RolloutConfig
@@ -100,11 +100,12 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     train_cache, val_cache = TargetCache(caches["train"]), TargetCache(caches["val"])
     target_dir = resolve_model(args.target)
     mask_id = Tokenizer.from_file(str(target_dir / "tokenizer.json")).token_to_id(MASK)
-    dcfg = default_config(args.method, target_dir.name, train_cache.tap_layers, mask_id, args.head)
+    dcfg = default_config(args.method, model_name(args.target), train_cache.tap_layers, mask_id, args.head)
     suffix = args.method if args.method != "dspark" or args.head == "markov" else f"dspark-{args.head}"
     cfg = DrafterTrainConfig(
-        run_dir=args.run_dir or cache_dir / "runs" / suffix, out_dir=args.out or Path("models") /
-        f"{target_dir.name}-{suffix}", steps=_steps(args, len(train_cache)), batch_sequences=args.batch_sequences,
+        run_dir=args.run_dir or cache_dir / "runs" / suffix,
+        out_dir=args.out or Path("models") / f"{model_name(args.target)}-{suffix}",
+        steps=_steps(args, len(train_cache)), batch_sequences=args.batch_sequences,
         anchors_per_sequence=args.anchors, lr=args.lr, eval_every=args.eval_every, seed=args.seed,
         patience=args.patience, autocast=False if args.no_autocast else None, standin_weight=args.standin_weight,
         init_from=args.init_from, unroll=args.unroll, mirror_dir=args.mirror_dir, mirror_every=args.mirror_every)

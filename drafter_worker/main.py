@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 from drafter_worker.ahead import RunAhead
 from drafter_worker.checkpoint import drafter_config, load_drafter
@@ -22,12 +21,12 @@ from services.batching import compute_thread
 from services.errors import InvalidRequestError
 from services.loader import load_model
 from services.model_config import ModelConfig
-from services.registry import list_models, resolve_model
+from services.registry import list_models, model_name, resolve_model
 from services.tls import read_tls
 
 
 def drafter_service(s: DrafterSettings) -> DrafterService:
-    names = s.drafters or [e.name for e in list_models() if e.target == Path(s.model).name]
+    names = s.drafters or [e.name for e in list_models() if e.target == model_name(s.model)]
     if not names:
         raise InvalidRequestError(f"no drafters given and none shipped for {s.model}")
     layers = ModelConfig.from_dir(resolve_model(s.model)).num_hidden_layers

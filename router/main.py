@@ -23,7 +23,7 @@ from router.settings import RouterSettings
 from router.tiers.grpc import GrpcDrafter, GrpcVerifier
 from router.tiers.pooled import Discovery, Pools, StaticDiscovery
 from services.load_board import connect_board
-from services.registry import resolve_model
+from services.registry import model_name, resolve_model
 from services.tls import read_tls
 from services.tokenizer import TextTokenizer
 from services.types import PlainRun
@@ -48,7 +48,7 @@ def build_router(s: RouterSettings, tracer=None, discovery: Discovery | None = N
                           verifier_retry_s=s.verifier_retry_s,
                           plain=PlainRun(s.plain_ahead, s.stream_interval) if s.plain_ahead else None,
                           plain_handoff=s.plain_handoff)
-    name = s.served_model_name or model_dir.name
+    name = s.served_model_name or model_name(s.model)
     board = BoardView(connect_board(s.redis_url), s.board_stale_ms / 1000) if s.redis_url else None
     router = Router(pools.verifier, pools.drafter, set(s.methods), config, tokenizer, tracer, model=name,
                     planner=VerifyPlanner(s.threshold, board, pools.verifier.engine_of,

@@ -10,7 +10,9 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from services import gguf
 from services.errors import ModelLoadError
+from services.pip_models import PIP_MODELS
 
 MODELS_DIR = Path(os.environ.get("DSPARK_MODELS_DIR", Path(__file__).resolve().parents[1] / "models"))
 
@@ -36,6 +38,7 @@ def _parameters(model_dir: Path) -> int:
 
 
 def list_models(root: Path | None = None) -> list[ModelEntry]:
+    """The models under `models/`, then the ones a pip package brings (path empty until installed)."""
     root = root or MODELS_DIR
     entries = []
     for config in sorted(root.glob("*/config.json")):
@@ -45,17 +48,35 @@ def list_models(root: Path | None = None) -> list[ModelEntry]:
             name=config.parent.name, kind="drafter" if drafter else "target", path=str(config.parent),
             parameters=_parameters(config.parent), target=drafter.get("target"),
         ))
+    for name, pip_model in PIP_MODELS.items():
+        entries.append(ModelEntry(name=name, kind="target", path=pip_model.location() or "",
+                                  parameters=pip_model.parameters, target=None))
     return entries
 
 
 def resolve_model(name_or_path: str | Path, root: Path | None = None) -> Path:
-    """A directory path as given, else the shipped model of that name."""
+    """A directory path as given; a `.gguf` file as its cached HF directory (services/gguf.py); else the
+    shipped model of that name, under `models/` or installed by pip (`PIP_MODELS`)."""
     root = root or MODELS_DIR
     path = Path(name_or_path)
     if path.is_dir():
         return path
+    if gguf.is_gguf(path):
+        return gguf.materialize(path)
+    if path.suffix == ".gguf":
+        raise ModelLoadError(f"{name_or_path}: no such GGUF file")
     shipped = root / str(name_or_path)
     if shipped.is_dir():
         return shipped
+    if str(name_or_path) in PIP_MODELS:
+        return PIP_MODELS[str(name_or_path)].resolve()
     names = ", ".join(e.name for e in list_models(root)) or "none"
-    raise ModelLoadError(f"{name_or_path}: neither a model directory nor a shipped model (shipped: {names})")
+    raise ModelLoadError(f"{name_or_path}: neither a model directory, a .gguf file nor a shipped model "
+                         f"(shipped: {names})")
+
+
+def model_name(name_or_path: str | Path) -> str:
+    """The name a model is served and its drafters are registered under: a shipped model's name, a GGUF file's
+    stem, a directory's name (never the cache directory a GGUF or pip model resolves to)."""
+    path = Path(name_or_path)
+    return path.stem if path.suffix == ".gguf" else path.name

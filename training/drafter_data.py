@@ -8,7 +8,7 @@ import torch
 
 from services.loader import load_model
 from services.model_config import ModelConfig, default_tap_layers
-from services.registry import resolve_model
+from services.registry import model_name, resolve_model
 from services.tokenizer import TextTokenizer
 from training import rollouts, target_cache
 
@@ -36,5 +36,5 @@ def prepare(target: str, run_dir: Path, data_dir: Path, cfg: rollouts.RolloutCon
         items = list(rollouts.prompts(data_dir, split, per_domain[split], cfg.seed, cfg.code_prompts_per_file))
         mirror = None if mirror_dir is None else mirror_dir / f"rollouts.{split}.jsonl.gz"
         rollouts.generate(generator, tokenizer, items, cfg, out, mirror)
-        target_cache.build(model, rollouts.read(out), cache_dir, target=model_dir.name)
+        target_cache.build(model, rollouts.read(out), cache_dir, target=model_name(target))
     return caches

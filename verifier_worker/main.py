@@ -14,7 +14,7 @@ from protos.tier import RunningTier, open_board, role_tracer, set_threads, start
 from services.batching import compute_thread
 from services.loader import load_model
 from services.model_config import ModelConfig, default_tap_layers
-from services.registry import resolve_model
+from services.registry import model_name, resolve_model
 from services.tls import read_tls
 from verifier_worker.engine import Engine, EngineConfig
 from verifier_worker.profile import profile_sps
@@ -35,11 +35,10 @@ def load_target(s: VerifierSettings):
 
 
 def verifier_service(s: VerifierSettings, model=None) -> VerifierService:
-    model_dir = resolve_model(s.model)
     model = model if model is not None else load_target(s)
     engine = Engine(model, EngineConfig(num_slots=s.num_slots, max_len=s.max_len, max_batch_tokens=s.max_batch_tokens,
                                         max_waiting=s.max_waiting, compile=s.compile))
-    return VerifierService(engine, model_dir.name, s.lease_s, s.batch_window_ms / 1000)
+    return VerifierService(engine, model_name(s.model), s.lease_s, s.batch_window_ms / 1000)
 
 
 async def start_verifier(s: VerifierSettings, model=None) -> RunningTier:

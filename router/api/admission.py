@@ -35,10 +35,22 @@ class Admission:
         self.max_chars = max_model_len * max(longest, 1)
 
     def encode(self, text: str, param: str) -> list[int]:
+        self._fits(text, param)
+        return self.tokenizer.encode(text)
+
+    def encode_chat(self, messages: list[dict[str, str]], param: str = "messages") -> list[int]:
+        """The conversation in the model's own chat template (its BOS once)."""
+        try:
+            text = self.tokenizer.render_chat(messages)
+        except InvalidRequestError as e:
+            raise AdmissionError(str(e), param) from e
+        self._fits(text, param)
+        return self.tokenizer.chat_ids(messages)
+
+    def _fits(self, text: str, param: str) -> None:
         if len(text) > self.max_chars:
             raise AdmissionError(f"the {param} cannot fit this model's maximum context length of "
                                  f"{self.max_model_len} tokens", param, "context_length_exceeded")
-        return self.tokenizer.encode(text)
 
     def token_ids(self, ids: Sequence[int], param: str) -> list[int]:
         if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):

@@ -14,7 +14,6 @@ from router.api.errors import ApiError
 from router.api.openai import MAX_BATCH, ChatCompletionRequest, CompletionRequest
 from router.router import Router
 from router.session import PrefixShare, RouterRequest
-from services.chat_template import render
 from services.tokenizer import TextTokenizer
 
 
@@ -53,7 +52,6 @@ class HttpAdmission:
 
     def _prompts(self, body: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
         if isinstance(body, ChatCompletionRequest):
-            text = render([m.as_turn() for m in body.messages], add_generation_prompt=True)
-            return [self.admit.encode(text, "messages")]
+            return [self.admit.encode_chat([m.as_turn() for m in body.messages])]
         return [self.admit.encode(p, "prompt") if isinstance(p, str) else self.admit.token_ids(p, "prompt")
                 for p in body.prompts()]

@@ -13,7 +13,7 @@ from pydantic import Field
 from router.api.errors import ApiError, documented
 from router.api.openai import ChatMessage, TokenId, TokenizedText, _Body
 from router.router import Router
-from services.chat_template import render
+from services.errors import InvalidRequestError
 from services.tokenizer import TextTokenizer
 
 ROUTES = ("/tokenize", "/detokenize", "/server_info")  # guarded by the API key, as /v1 is
@@ -53,11 +53,13 @@ def add_routes(app: FastAPI, router: Router, tokenizer: TextTokenizer, model: st
         check(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give prompt or messages", "prompt")
-        text = body.prompt if body.messages is None else render([m.as_turn() for m in body.messages],
-                                                                  add_generation_prompt=body.add_generation_prompt)
-        ids = tokenizer.encode(text)
-        if not body.add_special_tokens and tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id]:
-            ids = ids[1:]
+        if body.messages is None:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:  # what the chat route feeds the model (the template's own BOS kept)
+            try:
+                ids = tokenizer.chat_ids([m.as_turn() for m in body.messages], body.add_generation_prompt)
+            except InvalidRequestError as e:
+                raise ApiError(400, str(e), "messages") from e
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=documented(400, 401, 413))
