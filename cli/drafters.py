@@ -30,6 +30,7 @@ def add_cache_parser(data_sub) -> None:
                    "where native)")
     p.add_argument("--compile", action="store_true", help="run the rollouts' target steps under torch.compile")
     p.add_argument("--mirror-dir", type=Path, help="gzip copies of the rollouts (commit them to resume elsewhere)")
+    p.add_argument("--rollouts-only", action="store_true", help="stop after the rollouts (no feature cache)")
 
 
 def add_train_parser(train_sub) -> None:
@@ -78,8 +79,8 @@ def run_target_cache(args: argparse.Namespace) -> int:
                         temperature=args.temperature, top_p=args.top_p, temperatures=tuple(args.temperatures),
                         code_prompts_per_file=args.code_prompts_per_file, batch=args.batch, compile=args.compile)
     caches = prepare(args.target, _cache_dir(args), args.data_dir, cfg, val_per_domain=args.val_per_domain,
-                     mirror_dir=args.mirror_dir, rollout_dtype=args.rollout_dtype)
-    _log()(f"target caches: {', '.join(str(c) for c in caches.values())}")
+                     mirror_dir=args.mirror_dir, rollout_dtype=args.rollout_dtype, rollouts_only=args.rollouts_only)
+    _log()(f"target {'rollouts' if args.rollouts_only else 'caches'}: {', '.join(str(c) for c in caches.values())}")
     return 0
 
 
@@ -176,7 +177,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if model.dconfig.confidence_head is False:
         raise ValueError(f"{drafter_dir.name} has no confidence head to calibrate")
     tok = TextTokenizer.from_dir(resolve_model(args.target))
-    ids = [tok.encode(text)[-256:] for _, _, text in prompts(args.data_dir, "val", args.prompts_per_domain, 1)]
+    ids = [(tok.encode(p) if isinstance(p, str) else tok.chat_ids(p))[-256:]
+           for _, _, p in prompts(args.data_dir, "val", args.prompts_per_domain, 1)]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=1)
     run = evaluate.run(target, Drafter(model), ids, args.gamma, params, tok.eos_token_ids, args.batch)
     z, labels, valid = run.cycles.tensors(args.gamma)
