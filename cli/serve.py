@@ -9,7 +9,7 @@ import shutil
 import signal
 from pathlib import Path
 
-from cluster.settings import ServeSettings, preflight
+from cluster.settings import ServeSettings, check_models, preflight
 from cluster.speculative_config import SpeculativeFlags, apply
 from drafter_worker.settings import DrafterSettings
 from router.settings import RouterSettings
@@ -81,6 +81,7 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = serve_settings(args)
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the pools too, as Ctrl-C does
     redis, controller = None, None
+    check_models(settings)
     local = connect(settings.ray)  # first: `ray` must not be imported before a local instance is set up
     import ray
 

@@ -21,7 +21,7 @@ from cluster.autoscaler import Autoscaler, ScaleEvent, pool_signal
 from cluster.ray_pools import ActorPool
 from cluster.settings import ServeSettings
 from router.tiers.replicas import Member
-from services.errors import InvalidRequestError
+from services.errors import DsparkError, InvalidRequestError
 from services.load_board import EngineLoad, RedisBoard
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,9 @@ class Controller:
         self._loop = asyncio.create_task(self._run())
         async with asyncio.timeout(timeout_s):
             while any(pool.target and not pool.members() for pool in self.pools.values()):
+                for role, pool in self.pools.items():
+                    if pool.fatal is not None:
+                        raise DsparkError(f"the {role} pool cannot start: {pool.fatal}")
                 await asyncio.sleep(0.1)
         return self.members()
 

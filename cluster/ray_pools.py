@@ -49,6 +49,11 @@ class ActorPool:
         self.start_timeout_s = start_timeout_s
         self.replicas: dict[str, Replica] = {}
         self._serial = 0
+        # A start that fails the same way twice before any replica served (no model, unreadable files) is the
+        # deployment's fault, not a replica's: the pool stops replacing and `fatal` says why.
+        self.served = False
+        self.fatal: str | None = None
+        self._start_failures: list[str] = []
 
     # ---- what the router sees ----------------------------------------------------------------
     def members(self) -> list[dict]:
@@ -98,13 +103,21 @@ class ActorPool:
                     address = await r.actor.group_address.remote()
                     r.follows = [asyncio.ensure_future(s.follow.remote(address)) for s in r.shards]
                 r.address = await r.actor.start.remote()
+            self.served = True
             log.info("%s pool: %s serving at %s", self.role, r.replica_id, r.address)
         except (TimeoutError, RayActorError) as error:
             log.error("%s pool: %s did not start (%s); replacing it", self.role, r.replica_id,
                       type(error).__name__ if isinstance(error, TimeoutError) else error)
             self._kill(r)
         except RayTaskError as error:  # its start raised, e.g. TLS files missing on that node: say why, once
-            log.error("%s pool: %s failed to start: %s; replacing it", self.role, r.replica_id, error.cause)
+            reason = str(error.cause)
+            if not self.served and reason in self._start_failures:
+                self.fatal = reason
+                log.error("%s pool: %s failed to start as the one before it did: %s", self.role, r.replica_id,
+                          reason)
+            else:
+                log.error("%s pool: %s failed to start: %s; replacing it", self.role, r.replica_id, reason)
+            self._start_failures.append(reason)
             self._kill(r)
         finally:
             r.starting = None
@@ -132,9 +145,9 @@ class ActorPool:
                 r.starting = asyncio.create_task(self._start(r))
 
     def reconcile(self, drain_timeout_s: float) -> None:
-        """Start or drain replicas until `target` are active."""
+        """Start or drain replicas until `target` are active (none once the pool cannot start at all)."""
         active = self.active()
-        for _ in range(self.target - len(active)):
+        for _ in range(0 if self.fatal else self.target - len(active)):
             self.add()
         surplus = len(active) - self.target
         if surplus > 0:

@@ -105,3 +105,16 @@ def preflight(settings: ServeSettings) -> None:
         read_tls(role.tls)
     if settings.router.redis_url:
         connect_board(settings.router.redis_url).client.close()
+
+
+def check_models(settings: ServeSettings) -> None:
+    """Every role's model resolves, configures and tokenizes here, before Ray or any replica starts: a model
+    that cannot be served stops `dspark serve` at once (and a GGUF or pip model is converted once, here)."""
+    from services.model_config import ModelConfig
+    from services.registry import resolve_model
+    from services.tokenizer import TextTokenizer
+
+    for name in dict.fromkeys((settings.router.model, settings.verifier.model, settings.drafter.model)):
+        model_dir = resolve_model(name)
+        ModelConfig.from_dir(model_dir)
+        TextTokenizer.from_dir(model_dir)

@@ -282,3 +282,21 @@ def test_a_tensor_parallel_replica_equals_tp1(cluster, deployment, tokenizer):
     finally:
         ray.get(controller.shutdown.remote(), timeout=60)
         ray.kill(controller)
+
+
+def test_a_pool_whose_replicas_fail_the_same_way_at_start_ends_the_deployment(cluster, deployment):
+    """No such drafter: the second replica fails as the first did, and `start` says why instead of replacing
+    replicas forever (a replica that dies after serving is still replaced: the tests above)."""
+    ray.get(deployment[1].shutdown.remote(), timeout=60)
+    s = settings("dspark-fatal")
+    s.drafter.drafters = ["no-such-drafter"]
+    controller = create(s)
+    try:
+        with pytest.raises(Exception, match="the drafter pool cannot start: no-such-drafter: neither a model"):
+            ray.get(controller.start.remote(), timeout=180)
+        time.sleep(1.5)  # three controller steps: none starts another drafter
+        status = ray.get(controller.status.remote())
+    finally:
+        ray.get(controller.shutdown.remote(), timeout=60)
+        ray.kill(controller)
+    assert status["pools"]["drafter"]["replicas"] == []
