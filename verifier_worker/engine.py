@@ -247,7 +247,7 @@ class Engine:
     def _update(self, items: list[WorkItem], logits: torch.Tensor, features: torch.Tensor | None) -> list[StepOutput]:
         raw = logits  # logprobs are of the raw distribution (vLLM's raw_logprobs)
         logits = processors.apply(logits, row_contexts(items))  # [M, V]
-        probs = self._target_probs(items, logits)  # [M, V]
+        probs = self._target_probs(items, logits)
         argmax = logits.argmax(-1).tolist()  # [M]
         outputs, row = [], 0
         for it in items:
@@ -260,18 +260,30 @@ class Engine:
             add_logprobs(it, outputs[-1], raw)
         return outputs
 
-    def _target_probs(self, items: list[WorkItem], logits: torch.Tensor) -> torch.Tensor | None:
-        params = [it.request.params for it in items for _ in logit_positions(it)]
-        if all(p.greedy for p in params):
+    def _target_probs(self, items: list[WorkItem], logits: torch.Tensor) -> SampledProbs | None:
+        """The distributions of the rows that sample; greedy rows need none (their argmax decides), and on a
+        262,144-token vocabulary their softmax was most of a batched step. Each row is computed on its own,
+        so a row's probabilities are the same bits whatever rows share its step."""
+        params, rows, first, row = [], [], {}, 0
+        for it in items:
+            n = len(logit_positions(it))
+            if n and not it.request.params.greedy:
+                first[row] = len(rows)
+                rows.extend(range(row, row + n))
+                params.extend([it.request.params] * n)
+            row += n
+        if not rows:
             return None
         dev = logits.device
-        return logits_to_probs(
-            logits,
+        sampled = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=dev)]
+        probs = logits_to_probs(
+            sampled,
             torch.tensor([p.temperature for p in params], device=dev),
             torch.tensor([p.top_k for p in params], device=dev),
             torch.tensor([p.top_p for p in params], device=dev),
             torch.tensor([p.min_p for p in params], device=dev),
         )
+        return SampledProbs(probs, first)
 
     def _finish_prefill_chunk(self, it: WorkItem, probs, argmax, feats) -> StepOutput:
         req = it.request
@@ -279,7 +291,7 @@ class Engine:
         out = StepOutput(req.request_id, emitted=[], feature_start=it.start, features=feats)
         if samples_first(it):
             r = first_token_row(it)
-            token = argmax[r] if req.params.greedy else int(sample(probs[r : r + 1], req.generator)[0])
+            token = argmax[r] if req.params.greedy else int(sample(probs.rows(it, r, r + 1), req.generator)[0])
             req.tokens.append(token)
             out.emitted, out.kind = [token], OutcomeKind.FIRST
         elif req.resumed and not req.in_prefill:
@@ -292,8 +304,9 @@ class Engine:
         if req.params.greedy:
             accepted, token, kind = accept_greedy(argmax[rows], draft.tokens)
         else:
-            q = draft_q(draft, probs.shape[-1], probs.device)
-            accepted, token, kind = accept_stochastic(probs[rows], draft.tokens, q, req.generator)
+            p = probs.rows(it, rows.start, rows.stop)  # [ℓ+1, V]
+            q = draft_q(draft, p.shape[-1], p.device)
+            accepted, token, kind = accept_stochastic(p, draft.tokens, q, req.generator)
         emitted = [*draft.tokens[:accepted], token]
         # Keep the anchor and the accepted drafts; the new anchor `token` is not cached yet.
         self.cache.truncate(req.request_id, it.start + 1 + accepted)
@@ -327,3 +340,17 @@ class Engine:
         q_of_token = torch.where(draft.q_ids == tokens, draft.q_probs, 0.0).sum(-1)  # [ℓ]
         if bool((q_of_token <= 0).any()):
             raise InvalidRequestError("a draft token lies outside its own q support (q(x) must be > 0)")
+
+
+@dataclass(slots=True)
+class SampledProbs:
+    """fp32 target distributions of the sampling items' logits rows only ([R, V]), addressed by logits row."""
+
+    probs: torch.Tensor  # [R, V]
+    first: dict[int, int]  # an item's first logits row → its first row here (an item's rows are contiguous)
+
+    def rows(self, it: WorkItem, start: int, stop: int) -> torch.Tensor:
+        """Logits rows [start, stop) of item `it`, all of them its own."""
+        base = it.logit_offset
+        i = self.first[base] + start - base
+        return self.probs[i : i + stop - start]

@@ -1,0 +1,88 @@
+"""The real Gemma 3 270M (base), from the public GGUF that `make test` installs by pip (Gemma Terms of Use):
+its config and tokenizer (BOS as the file says), fp32 greedy equal to transformers' on the same dequantized
+weights, speculative equal to plain in bf16 and fp32, and the chat and completion paths of the API agreeing
+on what the model sees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from drafter_worker.ngram import NgramProposer
+from router.offline import GenerationRequest, LocalRouter
+from router.scheduling.policy import Policy
+from services.loader import load_model
+from services.model_config import ModelConfig
+from services.pip_models import PIP_MODELS
+from services.registry import list_models, model_name, resolve_model
+from services.tokenizer import TextTokenizer
+from services.types import SamplingParams
+from tests.conftest import make_engine
+
+pytestmark = pytest.mark.slow
+MODEL = "gemma-3-270m"
+PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n\n",
+           "<start_of_turn>user\nWhat is 12 + 30?<end_of_turn>\n<start_of_turn>model\n"]
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return resolve_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return TextTokenizer.from_dir(model_dir)
+
+
+@pytest.fixture(scope="module")
+def fp32(model_dir):
+    return load_model(model_dir, "float32")
+
+
+def _greedy(model, prompts: list[list[int]], proposer=None) -> list[list[int]]:
+    engine = make_engine(model, num_slots=4, max_len=128, max_batch_tokens=64)
+    requests = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=TOKENS)) for i, p in enumerate(prompts)]
+    router = LocalRouter(engine, proposer, Policy.FIXED, 5) if proposer else LocalRouter(engine)
+    return [r.token_ids for r in router.generate(requests)]
+
+
+def test_listed_installed_and_checked(model_dir):
+    entry = {e.name: e for e in list_models()}[MODEL]
+    assert entry.kind == "target" and entry.path == str(model_dir) and 260e6 < entry.parameters < 280e6
+    assert model_dir.name == PIP_MODELS[MODEL].sha256 and model_name(MODEL) == MODEL
+    cfg = ModelConfig.from_dir(model_dir)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim, cfg.vocab_size) == (18, 640, 4, 1, 256, 262_144)
+    assert cfg.tie_word_embeddings and cfg.gemma.sliding_window == 512
+    assert cfg.gemma.sliding_layers == tuple((i + 1) % 6 != 0 for i in range(18))
+
+
+def test_the_tokenizer_adds_the_bos_the_file_asks_for(model_dir, tok):
+    hf = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    for text in PROMPTS:
+        assert tok.encode(text) == hf(text).input_ids and tok.encode(text)[0] == 2
+    assert tok.encode("def fibonacci(n):") == [2, 2063, 10779, 78113, 236769, 236749, 1473]
+    assert tok.eos_token_ids == (1,)
+    chat = tok.chat_ids([{"role": "user", "content": "What is 12 + 30?"}])
+    assert chat == tok.encode(PROMPTS[3]) and chat.count(2) == 1
+
+
+def test_fp32_greedy_equals_transformers(model_dir, tok, fp32):
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    ours = _greedy(fp32, prompts)
+    for ids, got in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False, eos_token_id=None)
+        assert got == out[0, len(ids):].tolist()
+    assert "return" in tok.decode(ours[0])  # with its BOS the model continues the function (without: garbage)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculative_greedy_equals_plain(model_dir, tok, fp32, dtype):
+    model = fp32 if dtype == "float32" else load_model(model_dir, dtype)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    assert _greedy(model, prompts, NgramProposer()) == _greedy(model, prompts)
