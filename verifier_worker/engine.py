@@ -247,8 +247,7 @@ class Engine:
     def _update(self, items: list[WorkItem], logits: torch.Tensor, features: torch.Tensor | None) -> list[StepOutput]:
         raw = logits  # logprobs are of the raw distribution (vLLM's raw_logprobs)
         logits = processors.apply(logits, row_contexts(items))  # [M, V]
-        probs = self._target_probs(items, logits)
-        argmax = logits.argmax(-1).tolist()  # [M]
+        argmax, probs = self._target_choices(items, logits)
         outputs, row = [], 0
         for it in items:
             feats = None if features is None else features[row : row + len(it.new_tokens)]
@@ -260,21 +259,28 @@ class Engine:
             add_logprobs(it, outputs[-1], raw)
         return outputs
 
-    def _target_probs(self, items: list[WorkItem], logits: torch.Tensor) -> SampledProbs | None:
-        """The distributions of the rows that sample; greedy rows need none (their argmax decides), and on a
-        262,144-token vocabulary their softmax was most of a batched step. Each row is computed on its own,
-        so a row's probabilities are the same bits whatever rows share its step."""
-        params, rows, first, row = [], [], {}, 0
+    def _target_choices(self, items: list[WorkItem], logits: torch.Tensor) -> tuple[list[int], SampledProbs | None]:
+        """Greedy rows' argmax (-1 at the others) and the distributions of the rows that sample: neither is
+        computed for rows that do not read it, which on a 262,144-token vocabulary was most of a batched step.
+        Each row is computed on its own, so its result is the same bits whatever rows share its step."""
+        params, rows, greedy, first, row = [], [], [], {}, 0
         for it in items:
             n = len(logit_positions(it))
-            if n and not it.request.params.greedy:
+            if n and it.request.params.greedy:
+                greedy.extend(range(row, row + n))
+            elif n:
                 first[row] = len(rows)
                 rows.extend(range(row, row + n))
                 params.extend([it.request.params] * n)
             row += n
-        if not rows:
-            return None
         dev = logits.device
+        argmax = [-1] * row
+        if greedy:
+            picked = logits if len(greedy) == row else logits[torch.tensor(greedy, device=dev)]
+            for r, token in zip(greedy, picked.argmax(-1).tolist(), strict=True):
+                argmax[r] = token
+        if not rows:
+            return argmax, None
         sampled = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=dev)]
         probs = logits_to_probs(
             sampled,
@@ -283,7 +289,7 @@ class Engine:
             torch.tensor([p.top_p for p in params], device=dev),
             torch.tensor([p.min_p for p in params], device=dev),
         )
-        return SampledProbs(probs, first)
+        return argmax, SampledProbs(probs, first)
 
     def _finish_prefill_chunk(self, it: WorkItem, probs, argmax, feats) -> StepOutput:
         req = it.request
