@@ -57,10 +57,15 @@ def drafter_dirs(spec: str, model: str) -> dict[str, Path]:
 
 
 def cpu_model() -> str:
+    """The CPU's model name and its bf16-relevant flags (figures differ with AMX, AVX512-BF16 or AVX2 only)."""
+    name, flags = platform.processor() or platform.machine(), set()
     for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
         if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+            name = line.split(":", 1)[1].strip()
+        elif line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+    wanted = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
+    return f"{name} ({' '.join(wanted)})" if wanted else name
 
 
 def prompts(tokenizer: TextTokenizer, datasets_dir: Path, n: int) -> list[list[int]]:

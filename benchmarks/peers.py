@@ -9,8 +9,13 @@ same model, machine and dtype, in one run, rounds alternating between the progra
   tree's `convert_hf_to_gguf.py` (its pre-tokenizer table does not know our tokenizer's hash: the GPT-2
   one is what it is, so the check is mapped to "gpt-2"), then `llama-bench -p 0 -n <tokens>` at batch 1.
   Skipped with the reason when it cannot be built (no cmake, no compiler, no registry).
+- a model that came as a GGUF (`--model gemma-3-270m`, or a `.gguf` file): llama.cpp runs the file itself
+  (e.g. Q4_K_M) and its BF16 form (`llama-quantize --allow-requantize … BF16`, the same values dspark serves
+  in bf16), batch 1 (`llama-bench`) and 8 (`llama-batched-bench`, 8 parallel sequences); the forward of
+  1..64 tokens of one sequence, dspark's against llama.cpp's (`llama-bench -p N -n 0`); and where greedy
+  decoding of dspark (bf16) and llama.cpp first diverge (`llama-simple`), a cross-engine check.
 
-    pip install -e '.[dev,peers]'; python benchmarks/peers.py [--tokens 64] [--rounds 3] [--json out.json]
+    pip install -e '.[dev,peers]'; python benchmarks/peers.py [--model gemma-3-270m] [--tokens 64] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -44,11 +49,15 @@ def llama_tree() -> Path:
     return CACHE / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
 
 
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-simple")
+
+
 def build_llama_cpp() -> Path:
-    """→ the llama-bench binary, building it on first use (about 4 minutes on 2 cores)."""
+    """→ the llama-bench binary (its siblings `TOOLS` beside it), building them on first use (about 5 minutes
+    on 2 cores)."""
     tree = llama_tree()
     bench = tree / "build" / "bin" / "llama-bench"
-    if bench.is_file():
+    if all((bench.parent / t).is_file() for t in TOOLS):
         return bench
     CACHE.mkdir(parents=True, exist_ok=True)
     sdist = CACHE / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
@@ -63,9 +72,69 @@ def build_llama_cpp() -> Path:
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     subprocess.run(["cmake", "-S", str(tree), "-B", str(tree / "build"), *generator, *flags], check=True,
                    capture_output=True)
-    subprocess.run(["cmake", "--build", str(tree / "build"), "--target", "llama-bench", "-j", str(os.cpu_count())],
+    subprocess.run(["cmake", "--build", str(tree / "build"), "--target", *TOOLS, "-j", str(os.cpu_count())],
                    check=True, capture_output=True)
     return bench
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a model directory was dequantized from (services/gguf.py), if it was."""
+    source = model_dir / "source.json"
+    return Path(json.loads(source.read_text())["gguf"]) if source.is_file() else None
+
+
+def requantized(bench: Path, gguf: Path, kind: str = "BF16") -> Path:
+    """`gguf` turned into `kind` by llama.cpp's own tool, once."""
+    out = CACHE / f"{gguf.stem}-{kind.lower()}.gguf"
+    if not out.is_file():
+        subprocess.run([str(bench.parent / "llama-quantize"), "--allow-requantize", str(gguf), str(out), kind],
+                       check=True, capture_output=True)
+    return out
+
+
+def llama_batched(bench: Path, gguf: Path, batch: int, tokens: int, threads: int) -> float:
+    """Decoding tokens/s of `batch` parallel sequences (32-token prompts), llama-batched-bench's S_TG."""
+    proc = subprocess.run([str(bench.parent / "llama-batched-bench"), "-m", str(gguf), "-c", "4096", "-npp", "32",
+                           "-ntg", str(tokens), "-npl", str(batch), "-t", str(threads), "--output-format", "jsonl"],
+                          check=True, capture_output=True, text=True)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return float(rows[-1]["speed_tg"])
+
+
+def llama_forward_ms(bench: Path, gguf: Path, sizes: tuple[int, ...], threads: int) -> dict[int, float]:
+    """ms of one forward of n tokens of one sequence (llama-bench's prompt processing, -p n -n 0)."""
+    proc = subprocess.run([str(bench), "-m", str(gguf), "-p", ",".join(map(str, sizes)), "-n", "0", "-t",
+                           str(threads), "-r", "5", "-o", "json"], check=True, capture_output=True, text=True)
+    return {int(r["n_prompt"]): round(1000 * r["n_prompt"] / r["avg_ts"], 2) for r in json.loads(proc.stdout)}
+
+
+def dspark_forward_ms(model, sizes: tuple[int, ...]) -> dict[int, float]:
+    """ms of one forward of n new tokens of one sequence after 32 cached ones (the verifier's prepared step)."""
+    from verifier_worker.kv_cache import KVCache
+    from verifier_worker.profile import time_forward
+
+    cache = KVCache(model.config, 1, 32 + max(sizes) + 8, model.dtype, model.device)
+    out = {}
+    for n in sizes:
+        time_forward(model, cache, [n], 32, 3)
+        out[n] = round(1000 * statistics.median(time_forward(model, cache, [n], 32, 10)), 2)
+    return out
+
+
+def llama_greedy_text(bench: Path, gguf: Path, prompt: str, tokens: int) -> str:
+    """llama.cpp's greedy continuation of `prompt` (llama-simple prints the prompt, then the continuation)."""
+    proc = subprocess.run([str(bench.parent / "llama-simple"), "-m", str(gguf), "-n", str(tokens), prompt],
+                          check=True, capture_output=True, text=True)
+    out = proc.stdout
+    return out[out.index(prompt) + len(prompt):] if prompt in out else out
+
+
+def agreement(tokenizer, ours: list[int], theirs: str) -> int:
+    """Tokens of our greedy output before its text stops being a prefix of llama.cpp's."""
+    for k in range(len(ours)):
+        if not theirs.startswith(tokenizer.decode(ours[: k + 1])):
+            return k
+    return len(ours)
 
 
 def convert(model_dir: Path, dtype: torch.dtype) -> Path:
@@ -117,6 +186,11 @@ class HfPeer:
         return batch * (out.shape[1] - 32) / (time.perf_counter() - started)
 
 
+AGREEMENT_PROMPTS = ("def fibonacci(n):", "The capital of France is", "import numpy as np\n\n",
+                     "Once upon a time", "SELECT name FROM users WHERE", "The derivative of x^2 is")
+FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="dspark-target")
@@ -129,11 +203,13 @@ def main() -> None:
     model_dir = resolve_model(args.model)
     model = load_model(model_dir, args.dtype)
     dtype, threads, vocab = model.dtype, torch.get_num_threads(), model.config.vocab_size
-    meta = {"cpu": cpu_model(), "native_bf16": native_bf16(torch.device("cpu")), "threads": threads,
-            "dtype": str(dtype).removeprefix("torch."), "tokens": args.tokens, "torch": torch.__version__}
+    meta = {"model": args.model, "cpu": cpu_model(), "native_bf16": native_bf16(torch.device("cpu")),
+            "threads": threads, "dtype": str(dtype).removeprefix("torch."), "tokens": args.tokens,
+            "torch": torch.__version__}
     print(json.dumps(meta), flush=True)
-    arms, skipped = {}, {}
+    arms, skipped, extra = {}, {}, {}
     wanted = args.peers.split(",")
+    source = gguf_source(model_dir)
     if "dspark" in wanted:
         engine = Engine(model, EngineConfig(num_slots=8, max_len=1024))
         arms["dspark"] = {b: (lambda b=b, e=engine: dspark_tps(e, b, args.tokens, vocab)) for b in (1, 8)}
@@ -145,8 +221,22 @@ def main() -> None:
         arms["transformers"] = {b: (lambda b=b: hf.tps(b, args.tokens)) for b in (1, 8)}
     if "llama.cpp" in wanted:
         try:
-            bench, gguf = build_llama_cpp(), convert(model_dir, dtype)
-            arms["llama.cpp"] = {1: lambda: llama_bench(bench, gguf, args.tokens, threads)}
+            bench = build_llama_cpp()
+            files = ({"llama.cpp": convert(model_dir, dtype)} if source is None else
+                     {"llama.cpp-bf16": requantized(bench, source), f"llama.cpp-{source.stem}": source})
+            for name, gguf in list(files.items()):
+                arms[name] = {1: lambda g=gguf: llama_bench(bench, g, args.tokens, threads)}
+                if source is not None:
+                    arms[name][8] = lambda g=gguf: llama_batched(bench, g, 8, args.tokens, threads)
+                try:  # a build that cannot run this file here (e.g. AMX kernels a VM refuses) is reported
+                    for fn in arms[name].values():
+                        fn()
+                except subprocess.CalledProcessError as error:
+                    skipped[name] = f"llama.cpp failed on {gguf.name}: {error}"
+                    print(f"{name} skipped: {skipped[name]}", flush=True)
+                    del arms[name], files[name]
+            if source is not None:
+                extra = gguf_checks(model, model_dir, bench, files, threads, args.tokens)
         except (OSError, subprocess.CalledProcessError) as error:
             skipped["llama.cpp"] = f"could not build or convert: {error}"
             print(f"llama.cpp skipped: {error}", flush=True)
@@ -159,14 +249,36 @@ def main() -> None:
             for b, fn in arm.items():
                 samples[name][b].append(fn())
     table = {name: {b: round(statistics.median(v), 1) for b, v in per.items()} for name, per in samples.items()}
-    base = table.get("dspark-compiled", table.get("dspark", {}))
+    base = table.get("dspark", table.get("dspark-compiled", {}))
     for name, per in table.items():
-        ratios = ", ".join(f"b{b} {tps:.1f} tok/s ({tps / base[b]:.2f} x dspark)"
+        ratios = ", ".join(f"b{b} {tps:.1f} tok/s (dspark {base[b] / tps:.2f} x)"
                            for b, tps in per.items() if b in base)
-        print(f"{name:>16}: {ratios}", flush=True)
+        print(f"{name:>24}: {ratios}", flush=True)
     if args.json:
-        record = {"meta": meta, "tokens_per_s": table, "skipped": skipped}
+        record = {"meta": meta, "tokens_per_s": table, "skipped": skipped, **extra}
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def gguf_checks(model, model_dir: Path, bench: Path, files: dict[str, Path], threads: int, tokens: int) -> dict:
+    """The forward curve against llama.cpp's on each file, and greedy agreement with llama.cpp."""
+    from services.tokenizer import TextTokenizer
+
+    model.prepare_for_serving()
+    ours = dspark_forward_ms(model, FORWARD_SIZES)
+    curves = {"dspark": ours} | {name: llama_forward_ms(bench, g, FORWARD_SIZES, threads) for name, g in files.items()}
+    for name, curve in curves.items():
+        steps = ", ".join(f"{n}: {ms:.1f}" for n, ms in curve.items())
+        print(f"forward ms {name:>22}: {steps}; f(8)/f(1) {curve[8] / curve[1]:.2f}", flush=True)
+    tok = TextTokenizer.from_dir(model_dir)
+    engine = Engine(model, EngineConfig(num_slots=8, max_len=1024))
+    reqs = [GenerationRequest(f"a{i}", tok.encode(p), SamplingParams(max_tokens=tokens))
+            for i, p in enumerate(AGREEMENT_PROMPTS)]
+    greedy = [r.token_ids for r in LocalRouter(engine).generate(reqs)]
+    agree = {name: [agreement(tok, ids, llama_greedy_text(bench, g, prompt, tokens))
+                    for prompt, ids in zip(AGREEMENT_PROMPTS, greedy, strict=True)] for name, g in files.items()}
+    for name, counts in agree.items():
+        print(f"greedy agreement with {name}: tokens before the first divergence {counts} (of {tokens})", flush=True)
+    return {"forward_ms": curves, "greedy_agreement": agree}
 
 
 if __name__ == "__main__":

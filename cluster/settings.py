@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from pydantic import BaseModel, Field, model_validator
 
 from cluster.speculative_config import SpeculativeFlags
@@ -109,12 +111,20 @@ def preflight(settings: ServeSettings) -> None:
 
 def check_models(settings: ServeSettings) -> None:
     """Every role's model resolves, configures and tokenizes here, before Ray or any replica starts: a model
-    that cannot be served stops `dspark serve` at once (and a GGUF or pip model is converted once, here)."""
+    that cannot be served stops `dspark serve` at once (and a GGUF or pip model is converted once, here).
+    A target with no drafters (none shipped for it, none named) is served without speculation, as vLLM
+    serves a model for which no draft model is configured."""
     from services.model_config import ModelConfig
-    from services.registry import resolve_model
+    from services.registry import list_models, model_name, resolve_model
     from services.tokenizer import TextTokenizer
 
     for name in dict.fromkeys((settings.router.model, settings.verifier.model, settings.drafter.model)):
         model_dir = resolve_model(name)
         ModelConfig.from_dir(model_dir)
         TextTokenizer.from_dir(model_dir)
+    target = model_name(settings.drafter.model)
+    if settings.router.method != "none" and not settings.drafter.drafters and not any(
+            e.target == target for e in list_models()):
+        logging.getLogger(__name__).warning("no drafters are shipped for %s and none are named "
+                                            "(drafter.drafters): serving it without speculation", target)
+        settings.router.method = "none"
