@@ -86,3 +86,38 @@ def test_speculative_greedy_equals_plain(model_dir, tok, fp32, dtype):
     model = fp32 if dtype == "float32" else load_model(model_dir, dtype)
     prompts = [tok.encode(p) for p in PROMPTS]
     assert _greedy(model, prompts, NgramProposer()) == _greedy(model, prompts)
+
+
+def test_the_api_agrees_on_what_the_model_sees(tok):
+    """Text and token-id prompts, echo and prompt logprobs, chat and /tokenize: one BOS, counted in usage."""
+    import httpx
+    import openai
+
+    from cluster.launcher import start_tiers
+    from router.settings import RouterSettings
+    from tests.tiers import api_server, verifier_settings
+
+    (verifier,) = start_tiers([("verifier", verifier_settings(model=MODEL, dtype="bfloat16", max_len=256))])
+    try:
+        settings = RouterSettings(model=MODEL, verifier=verifier.address, method="none", max_model_len=256)
+        with api_server(settings) as (url, _):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            ids = tok.encode("def fibonacci(n):")
+            text = client.completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=8, temperature=0)
+            by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+            assert text.choices[0].text == by_ids.choices[0].text and "if" in text.choices[0].text
+            assert text.usage.prompt_tokens == by_ids.usage.prompt_tokens == len(ids) == 7
+            echo = client.completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=2, temperature=0,
+                                             echo=True, logprobs=1)
+            assert echo.choices[0].text.startswith("def fibonacci(n):")  # the BOS is not text
+            assert len(echo.choices[0].logprobs.token_logprobs) == 7 + 2
+            assert echo.choices[0].logprobs.token_logprobs[0] is None  # nothing predicts the BOS
+            messages = [{"role": "user", "content": "What is 12 + 30?"}]
+            chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+            assert chat.usage.prompt_tokens == len(tok.chat_ids(messages))
+            tokens = httpx.post(url + "/tokenize", json={"messages": messages}).json()["tokens"]
+            assert tokens == tok.chat_ids(messages) and tokens.count(2) == 1
+            bare = httpx.post(url + "/tokenize", json={"prompt": "def fibonacci(n):", "add_special_tokens": False})
+            assert bare.json()["tokens"] == ids[1:]
+    finally:
+        verifier.stop()
