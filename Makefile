@@ -6,7 +6,8 @@ MODEL ?= dspark-target-v2
 PROMPT ?= def fibonacci(n):
 
 .PHONY: install serve test lint bench bench-tiers bench-policies bench-ray soak bench-overload results-serving data target-v2 \
-	data-deps test-deps drafters drafters-v2-cache drafters-v2 models acceptance image clean peer-check
+	data-deps test-deps drafters drafters-v2-cache drafters-v2 models acceptance image clean peer-check \
+	drafters-gemma-rollouts
 
 $(BIN)/dspark: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -125,6 +126,15 @@ drafters-v2: drafters-v2-cache
 	$(call train-v2,eagle3,2,48) & $(call train-v2,mtp,4,32) & wait
 	test -f models/dspark-target-v2-dspark/calibration.json || $(BIN)/dspark calibrate --target dspark-target-v2 \
 		--drafter dspark-target-v2-dspark --data-dir build/data-v2 --temperature 1 --method platt
+
+# Gemma 3 270M's rollouts ([2/6]): corpus v2's prompts in Gemma's own template, T = 0 and 1 (top-p off, as
+# served), up to 256 new tokens, bf16 where native; hours on 2 cores. Resumable: build/drafters/gemma-3-270m on
+# a kept machine, the gzip copies of the token ids in runs/drafters-gemma on a fresh one (commit them).
+drafters-gemma-rollouts: data-deps $(BIN)/dspark
+	@test -f build/data-v2/manifest.json || $(BIN)/dspark data build --out build/data-v2 --eval-dir build/data-v2/eval
+	$(BIN)/dspark data target-cache --target gemma-3-270m --data-dir build/data-v2 --prompts-per-domain 4000 \
+		--max-new-tokens 256 --temperatures 0 1 --top-p 1.0 --code-prompts-per-file 12 --batch 48 \
+		--rollout-dtype auto --mirror-dir runs/drafters-gemma --rollouts-only
 
 # Every model from a clean checkout: corpus v2, target v2, its rollouts and cache, its drafters.
 models: target-v2 drafters-v2
