@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from rich.console import Console
@@ -31,6 +32,40 @@ def add_cache_parser(data_sub) -> None:
     p.add_argument("--compile", action="store_true", help="run the rollouts' target steps under torch.compile")
     p.add_argument("--mirror-dir", type=Path, help="gzip copies of the rollouts (commit them to resume elsewhere)")
     p.add_argument("--rollouts-only", action="store_true", help="stop after the rollouts (no feature cache)")
+
+
+def add_vocab_parser(data_sub) -> None:
+    p = data_sub.add_parser("draft-vocab", help="a draft vocabulary (EAGLE-3's d2t) from the target's rollouts, "
+                            "with its coverage of held-out rollouts per domain")
+    p.add_argument("--rollouts", type=Path, required=True, help="rollouts.train.jsonl: the tokens counted")
+    p.add_argument("--held-out", type=Path, help="rollouts.val.jsonl: coverage measured there too")
+    p.add_argument("--size", type=int, nargs="+", default=[32768], help="draft vocabulary sizes (the first is saved)")
+    p.add_argument("--vocab-size", type=int, help="the target's vocabulary (default: largest id + 1 seen)")
+    p.add_argument("--out", type=Path, help="where d2t [Vd] int64 is saved (safetensors)")
+
+
+def run_draft_vocab(args: argparse.Namespace) -> int:
+    from safetensors.torch import save_file
+
+    from training.draft_vocab import coverage, frequency_d2t, rollout_counts
+    from training.rollouts import read
+
+    train = read(args.rollouts)
+    held = read(args.held_out) if args.held_out else []
+    vocab = args.vocab_size or 1 + max(max(r["response_ids"], default=0) for r in train + held)
+    counts = rollout_counts(train, vocab)
+    report = {}
+    for size in args.size:
+        d2t = frequency_d2t(counts, min(size, vocab))
+        report[size] = {"train": coverage(d2t, train, vocab)}
+        if held:
+            report[size]["held_out"] = coverage(d2t, held, vocab)
+        if args.out is not None and size == args.size[0]:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            save_file({"d2t": d2t}, str(args.out))
+    print(json.dumps({"response_tokens": int(counts.sum()), "distinct": int((counts > 0).sum()),  # noqa: T201
+                      "coverage": report}, indent=1))
+    return 0
 
 
 def add_train_parser(train_sub) -> None:

@@ -19,7 +19,9 @@ from cli.drafters import (
     add_cache_parser,
     add_eval_parsers,
     add_train_parser,
+    add_vocab_parser,
     run_calibrate,
+    run_draft_vocab,
     run_eval,
     run_target_cache,
     run_train_drafter,
@@ -123,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     ttarget.add_argument("--seed", type=int, default=0)
 
     add_cache_parser(data_sub)
+    add_vocab_parser(data_sub)
     add_train_parser(train_sub)
     add_eval_parsers(sub)
 
@@ -191,6 +194,8 @@ def _data(args: argparse.Namespace) -> int:
 
     if args.data_command == "target-cache":
         return run_target_cache(args)
+    if args.data_command == "draft-vocab":
+        return run_draft_vocab(args)
 
     cfg = DataConfig(out_dir=args.out, eval_dir=args.eval_dir, seed=args.seed, math_problems=args.math_problems,
                      eval_prompts=args.eval_prompts)

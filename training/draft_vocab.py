@@ -37,3 +37,26 @@ def reduce_vocab(model: ChainDraftModel, d2t: torch.Tensor) -> ChainDraftModel:
     state |= {"lm_head.weight": model.lm_head.weight.detach()[hot], "d2t": d2t.to(device)}
     reduced.load_state_dict(state)
     return reduced.eval()
+
+
+def rollout_counts(rows: list[dict], vocab_size: int) -> torch.Tensor:
+    """counts [V] of every response token of the target's rollouts (what the drafter will have to draft)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for row in rows:
+        counts += torch.bincount(torch.tensor(row["response_ids"], dtype=torch.long), minlength=vocab_size)
+    return counts
+
+
+def coverage(d2t: torch.Tensor, rows: list[dict], vocab_size: int) -> dict[str, float]:
+    """Per domain (and `all`): the share of response tokens inside the draft vocabulary — the tokens a drafter
+    over it can ever propose; the others are never drafted (their cycle emits the target's own token)."""
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[torch.arange(len(d2t)) + d2t] = True
+    hits: dict[str, list[int]] = {}
+    for row in rows:
+        ids = torch.tensor(row["response_ids"], dtype=torch.long)
+        for key in (row["domain"], "all"):
+            h = hits.setdefault(key, [0, 0])
+            h[0] += int(inside[ids].sum())
+            h[1] += len(ids)
+    return {key: round(h[0] / max(h[1], 1), 4) for key, h in sorted(hits.items())}
