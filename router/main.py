@@ -96,7 +96,8 @@ async def run_router(s: RouterSettings, discovery: Discovery | None = None, with
                      address_file: Path | None = None) -> None:
     tracer = role_tracer("dspark-router", s)
     router, tokenizer, pools = build_router(s, tracer, discovery, with_drafter)
-    config = ApiConfig(router.model, s.max_model_len, tuple(s.api_key or ()), s.max_body_bytes, s.sse_keepalive_s)
+    config = ApiConfig(router.model, s.max_model_len, tuple(s.api_key or ()), s.max_body_bytes, s.sse_keepalive_s,
+                       s.strict_fields)
     app = build_app(router, tokenizer, config, lambda: tier_health(pools), tracer)
     server = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.port, log_level="info", access_log=False))
     grpc_server = None

@@ -46,6 +46,8 @@ class RouterMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.requests = counter("request_success", "Finished requests by finish reason", ["finished_reason"])
         self.rejected = counter("requests_rejected", "Requests refused before admission", ["reason"])
+        self.ignored_fields = counter("ignored_request_fields", "Request fields no model here reads, by name "
+                                      "(refused instead when the API runs with strict fields)", ["field"])
         self.drafter_detached = counter("drafter_detached", "Sessions that lost their drafter and fell back to "
                                         "plain decoding")
         self.verifier_reprefills = counter("verifier_reprefills", "Sessions re-prefilled after losing their verifier")

@@ -57,6 +57,8 @@ class RouterSettings(Settings):
     api_key: list[str] | None = Field(None, description="accepted API keys (or DSPARK_API_KEY)")
     tls: TlsSettings | None = Field(None, description="TLS to the verifier and drafter replicas (null: plaintext)")
     max_model_len: int = Field(1024, ge=8)
+    strict_fields: bool = Field(False, description="refuse a request field the API does not know (400 naming it) "
+                                "instead of logging and counting it (dspark:ignored_request_fields_total)")
     sse_keepalive_s: float = Field(0.0, ge=0, description="SSE keep-alive comment interval in seconds (0: none; "
                                    "some benchmark clients parse a comment as JSON)")
     max_body_bytes: int = Field(4 * 2**20, ge=1024, description="largest HTTP request body read; larger ones get "

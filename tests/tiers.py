@@ -80,7 +80,7 @@ def api_server(settings: RouterSettings, tracer=None):
     async def main():
         router, tokenizer, pools = build_router(settings, tracer)
         config = ApiConfig(router.model, settings.max_model_len, tuple(settings.api_key or ()),
-                           settings.max_body_bytes, settings.sse_keepalive_s)
+                           settings.max_body_bytes, settings.sse_keepalive_s, settings.strict_fields)
         app = build_app(router, tokenizer, config, lambda: tier_health(pools), tracer)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         state.update(server=server, router=router)

@@ -34,9 +34,9 @@ class Admission:
         longest = max(len(tokenizer.decode([i])) for i in range(tokenizer.vocab_size))
         self.max_chars = max_model_len * max(longest, 1)
 
-    def encode(self, text: str, param: str) -> list[int]:
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         self._fits(text, param)
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, add_special_tokens)
 
     def encode_chat(self, messages: list[dict[str, str]], param: str = "messages") -> list[int]:
         """The conversation in the model's own chat template (its BOS once)."""

@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 
 from router.api.choices import MergedFeed, best
-from router.api.errors import documented, error_response, install_error_handlers, known_error
+from router.api.errors import ApiError, documented, error_response, install_error_handlers, known_error
 from router.api.http_admission import HttpAdmission
 from router.api.openai import ChatCompletionRequest, CompletionRequest
 from router.api.responses import ChatCompletionResponse, CompletionResponse, ModelList, Output, ResponseShape
@@ -57,6 +57,7 @@ class ApiConfig:
     # SSE keep-alive comments every this many seconds (0: none). Off by default: several benchmark clients
     # (SGLang's bench_serving, vLLM's older benchmark_serving, llmperf) parse a `: ping` comment as JSON.
     keepalive_s: float = 0.0
+    strict_fields: bool = False  # an unknown request field: 400 naming it (else logged and counted)
 
 
 async def _read_capped(receive, cap: int, declared: str | None) -> list[dict] | None:
@@ -143,6 +144,13 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
     admit = HttpAdmission(router, tokenizer, config.model, config.max_model_len)
 
     async def respond(body: CompletionRequest | ChatCompletionRequest, request: Request, kind: str):
+        unknown = body.unknown_fields()
+        if unknown and config.strict_fields:
+            raise ApiError(400, f"unknown field {unknown[0]!r} (this server refuses fields it does not know)",
+                           unknown[0], "unknown_field")
+        for name in unknown:  # not silent: an operator sees what clients send that no model reads
+            log.warning("request %s: field %r is not known here and was ignored", request.state.request_id, name)
+            router.metrics.ignored_fields.labels(config.model, name).inc()
         groups = admit(body, request.state.request_id)  # per prompt, its samples
         reqs = [r for group in groups for r in group]
         shape = ResponseShape(kind, f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{request.state.request_id}",

@@ -51,7 +51,16 @@ class HttpAdmission:
         return groups
 
     def _prompts(self, body: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+        """Each prompt's ids as the model sees them, cut to their last `truncate_prompt_tokens` (vLLM's rule)."""
         if isinstance(body, ChatCompletionRequest):
-            return [self.admit.encode_chat([m.as_turn() for m in body.messages])]
-        return [self.admit.encode(p, "prompt") if isinstance(p, str) else self.admit.token_ids(p, "prompt")
-                for p in body.prompts()]
+            prompts = [self.admit.encode_chat([m.as_turn() for m in body.messages])]
+        else:
+            prompts = [self.admit.encode(p, "prompt", body.add_special_tokens) if isinstance(p, str)
+                       else self.admit.token_ids(p, "prompt") for p in body.prompts()]
+        keep = body.truncate_prompt_tokens
+        if keep is None:
+            return prompts
+        keep = self.admit.max_model_len if keep == -1 else keep
+        if keep == 0:
+            raise ApiError(400, "truncate_prompt_tokens must be -1 or at least 1", "truncate_prompt_tokens")
+        return [ids[-keep:] for ids in prompts]

@@ -1,10 +1,12 @@
 """OpenAI-compatible request bodies and response shapes (completions and chat completions).
 
-Unknown fields are accepted and ignored, as vLLM does (clients send vendor extras), except the sampling
-fields of OpenAI and vLLM that would change what is generated: those are refused by name unless they
-carry their no-op value (`UNSERVED`), never silently ignored. Values we do support are type- and
+No field that changes the output is silently ignored. The fields of OpenAI, vLLM and SGLang that would change
+what is generated and are not served yet are refused by name unless they carry their no-op value (`UNSERVED`).
+A field nobody here knows is kept aside (`unknown_fields`): the API names it in its log and in the counter
+`dspark:ignored_request_fields_total`, and refuses it by name when started with strict fields; the fields
+known to change nothing (`NO_OP_FIELDS`: `user`, `metadata`, …) just work. Values we do support are type- and
 range-checked here, in the types where the OpenAPI schema can show the bound, and pydantic's errors become
-OpenAI-shaped 400s in `http_errors.py`.
+OpenAI-shaped 400s in `router/api/errors.py`.
 """
 
 from __future__ import annotations
@@ -59,10 +61,20 @@ class SpeculativeOptions(_Body):
                                "(null: the deployment's default)")
 
 
-# Sampling fields of OpenAI / vLLM not served yet, with the value that asks for nothing (accepted as such).
+# Fields of OpenAI, vLLM and SGLang that change the output and are not served yet, with the value that asks for
+# nothing (accepted as such; so are null, [] and {}).
 UNSERVED = {"use_beam_search": False, "length_penalty": 1.0,
             "suffix": None, "response_format": None, "tools": None, "tool_choice": None, "guided_json": None,
-            "guided_regex": None, "guided_choice": None, "guided_grammar": None, "prompt_logprobs": None}
+            "guided_regex": None, "guided_choice": None, "guided_grammar": None, "prompt_logprobs": None,
+            "structured_outputs": None, "allowed_token_ids": None, "bad_words": None, "top_n_sigma": -1.0,
+            "logits_processors": None, "typical_p": 1.0, "functions": None, "function_call": None,
+            "regex": None, "json_schema": None, "ebnf": None, "continue_final_message": False,
+            "chat_template": None, "chat_template_kwargs": None, "return_tokens_as_token_ids": False,
+            "spaces_between_special_tokens": True}
+# Fields that change nothing a model generates (bookkeeping, routing hints, client ids): accepted, not counted.
+NO_OP_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "request_id", "priority", "prediction",
+                          "modalities", "parallel_tool_calls", "cache_salt", "kv_transfer_params", "rid",
+                          "stream_interval", "lora_path", "return_hidden_states", "custom_params"})
 
 
 class _Common(_Body):
@@ -89,14 +101,21 @@ class _Common(_Body):
     skip_special_tokens: bool = True
     speculative: SpeculativeOptions | None = None
 
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, lt=2**31, description="keep only the prompt's last "
+                                               "k tokens (-1: the model's maximum length), as vLLM does")
+
     @model_validator(mode="before")
     @classmethod
     def _refuse_unserved(cls, data):
         if isinstance(data, dict):
             for name, noop in UNSERVED.items():
-                if name in data and data[name] is not None and data[name] != noop and data[name] != {}:
+                if name in data and data[name] not in (None, noop, [], {}):
                     raise ValueError(f"{name} is not supported (only {noop!r})")
         return data
+
+    def unknown_fields(self) -> list[str]:
+        """Fields of the request that no model here reads and that are not known to change nothing."""
+        return sorted(k for k in (self.model_extra or {}) if k not in UNSERVED and k not in NO_OP_FIELDS)
 
     @field_validator("temperature")
     @classmethod
@@ -138,6 +157,9 @@ class _Common(_Body):
 class CompletionRequest(_Common):
     """`prompt`: a string, token ids, or a batch of either (lm-eval sends a batch of one; choices come back
     indexed per prompt, as OpenAI and vLLM answer)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")  # unknown fields kept to be named (`unknown_fields`)
+    add_special_tokens: bool = Field(True, description="the model's BOS rule applied to text prompts (vLLM)")
 
     prompt: (str | list[int] | Annotated[list[str], Field(max_length=MAX_BATCH)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(max_length=MAX_BATCH)]) = Field(
@@ -210,6 +232,9 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_Common):
+    model_config = ConfigDict(strict=True, extra="allow")  # unknown fields kept to be named (`unknown_fields`)
+    add_special_tokens: Literal[False] = Field(False, description="the chat template writes the special tokens; "
+                                               "true (a second BOS, in vLLM) is refused")
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)

@@ -1,0 +1,86 @@
+"""No field that changes the output is silently ignored: OpenAI's, vLLM's and SGLang's output-changing fields
+that are not served are refused by name (their no-op values accepted), `truncate_prompt_tokens` and completions'
+`add_special_tokens` are honoured, fields known to change nothing pass, and a field nobody knows is logged and
+counted — or refused by name with strict fields."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from cluster.launcher import start_tiers
+from router.api.openai import UNSERVED, ChatCompletionRequest, CompletionRequest
+from router.settings import RouterSettings
+from services.registry import resolve_model
+from services.tokenizer import TextTokenizer
+from tests.tiers import TARGET, api_server, verifier_settings
+
+BASE = {"model": TARGET, "prompt": "def fibonacci(n):", "max_tokens": 6, "temperature": 0}
+CHANGES_OUTPUT = {"allowed_token_ids": [5, 6], "bad_words": ["def"], "structured_outputs": {"regex": "a+"},
+                  "top_n_sigma": 1.0, "logits_processors": ["x"], "typical_p": 0.5, "functions": [{"name": "f"}],
+                  "function_call": "auto", "regex": "a+", "json_schema": "{}", "ebnf": "root ::= 'a'",
+                  "response_format": {"type": "json_object"}, "tools": [{"type": "function"}]}
+
+
+@pytest.fixture(scope="module")
+def servers():
+    (verifier,) = start_tiers([("verifier", verifier_settings())])
+    try:
+        loose = RouterSettings(verifier=verifier.address, method="none", max_model_len=512)
+        strict = loose.model_copy(update={"strict_fields": True})
+        with api_server(loose) as (url, router), api_server(strict) as (strict_url, _):
+            yield url, router, strict_url
+    finally:
+        verifier.stop()
+
+
+@pytest.mark.parametrize("name", sorted(CHANGES_OUTPUT))
+def test_an_unserved_field_is_refused_by_name(servers, name):
+    r = httpx.post(servers[0] + "/v1/completions", json={**BASE, name: CHANGES_OUTPUT[name]})
+    assert r.status_code == 400 and name in r.json()["error"]["message"]
+
+
+def test_every_unserved_field_is_covered_and_its_no_op_passes(servers):
+    assert set(CHANGES_OUTPUT) <= set(UNSERVED)
+    for name, noop in UNSERVED.items():
+        for body in ({**BASE, name: noop}, {**BASE, name: None}):
+            CompletionRequest.model_validate(body)  # accepted: asks for nothing
+    plain = httpx.post(servers[0] + "/v1/completions", json=BASE).json()["choices"][0]["text"]
+    same = httpx.post(servers[0] + "/v1/completions", json={**BASE, "typical_p": 1.0, "bad_words": []}).json()
+    assert same["choices"][0]["text"] == plain
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(servers):
+    tok = TextTokenizer.from_dir(resolve_model(TARGET))
+    ids = tok.encode(BASE["prompt"])
+    cut = httpx.post(servers[0] + "/v1/completions", json={**BASE, "truncate_prompt_tokens": 3}).json()
+    by_ids = httpx.post(servers[0] + "/v1/completions", json={**BASE, "prompt": ids[-3:]}).json()
+    assert cut["usage"]["prompt_tokens"] == 3 and cut["choices"][0]["text"] == by_ids["choices"][0]["text"]
+    whole = httpx.post(servers[0] + "/v1/completions", json={**BASE, "truncate_prompt_tokens": -1}).json()
+    assert whole["usage"]["prompt_tokens"] == len(ids)
+    bad = httpx.post(servers[0] + "/v1/completions", json={**BASE, "truncate_prompt_tokens": 0})
+    assert bad.status_code == 400 and "truncate_prompt_tokens" in bad.text
+
+
+def test_add_special_tokens_is_the_bos_rule_of_text_prompts(servers):
+    bare = httpx.post(servers[0] + "/v1/completions", json={**BASE, "add_special_tokens": False}).json()
+    assert bare["usage"]["prompt_tokens"] == len(TextTokenizer.from_dir(resolve_model(TARGET)).encode(
+        BASE["prompt"], add_special_tokens=False))
+    with pytest.raises(ValueError, match="add_special_tokens"):
+        ChatCompletionRequest.model_validate({"model": TARGET, "messages": [{"role": "user", "content": "x"}],
+                                              "add_special_tokens": True})
+
+
+def test_unknown_fields_are_counted_or_refused_and_no_op_fields_pass(servers):
+    url, router, strict_url = servers
+    body = {**BASE, "user": "u1", "metadata": {"k": "v"}, "store": False}
+    assert httpx.post(url + "/v1/completions", json=body).status_code == 200
+    assert httpx.post(strict_url + "/v1/completions", json=body).status_code == 200
+    unknown = {**BASE, "frobnicate": 3}
+    assert httpx.post(url + "/v1/completions", json=unknown).status_code == 200
+    counted = router.metrics.ignored_fields.labels(router.model, "frobnicate")._value.get()
+    assert counted == 1 and "dspark:ignored_request_fields_total" in httpx.get(url + "/metrics").text
+    refused = httpx.post(strict_url + "/v1/chat/completions", json={
+        "model": TARGET, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "frobnicate": 3})
+    assert refused.status_code == 400 and "'frobnicate'" in refused.json()["error"]["message"]
+    assert refused.json()["error"]["param"] == "frobnicate"
