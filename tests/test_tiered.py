@@ -194,15 +194,18 @@ def test_router_generate_over_grpc_streams_cycles_and_rejects_bad_input(tiers, t
             stub = rpc.RouterStub(ch)
             chunks = [c async for c in stub.Generate(pb.GenerateRequest(prompt=prompt,
                                                                          params=pb.SamplingParams(max_tokens=24)))]
+            # No max_tokens: the rest of the context, HTTP's length rule too.
+            rest = [c async for c in stub.Generate(pb.GenerateRequest(prompt=prompt, ignore_eos=True))]
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 async for _ in stub.Generate(pb.GenerateRequest(prompt=prompt, prompt_ids=[1, 2])):
                     pass
         await server.stop(0)
         await verifier.close()
         await drafter.close()
-        return chunks, info.value.code()
+        return chunks, rest, info.value.code()
 
-    chunks, code = asyncio.run(run())
+    chunks, rest, code = asyncio.run(run())
+    assert rest[-1].completion_tokens == 512 - len(tokenizer.encode(prompt)) and rest[-1].finish_reason == "length"
     assert [t for c in chunks for t in c.token_ids] == plain_greedy([tokenizer.encode(prompt)], [24])[0]
     assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 24
     assert code == grpc.StatusCode.INVALID_ARGUMENT

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import grpc
 
@@ -43,7 +44,9 @@ class RouterServicer(rpc.RouterServicer):
             raise InvalidRequestError("give exactly one of prompt_ids and prompt")
         ids = self.admit.token_ids(msg.prompt_ids, "prompt") or self.admit.encode(msg.prompt, "prompt")
         params = validate.params(msg.params)
-        self.admit.max_tokens(params.max_tokens, len(ids), "prompt")
+        # The one length rule: no max_tokens (0 on the wire) asks for the rest of the context, as over HTTP.
+        wanted = msg.params.max_tokens or None
+        params = dataclasses.replace(params, max_tokens=self.admit.max_tokens(wanted, len(ids), "prompt"))
         s = msg.speculative
         spec = {k: v for k, v in (("method", s.method), ("policy", s.policy), ("gamma", s.gamma),
                                   ("min_tokens_per_s", s.min_tokens_per_s)) if v}
