@@ -66,6 +66,7 @@ def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
         repetition_penalty=p.repetition_penalty, frequency_penalty=p.frequency_penalty,
         presence_penalty=p.presence_penalty, min_p=p.min_p, min_tokens=p.min_tokens, logit_bias=dict(p.logit_bias),
         stop_token_ids=p.stop_token_ids, logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs,
+        allowed_token_ids=p.allowed_token_ids, bad_words=[pb.TokenIds(ids=w) for w in p.bad_words],
     )
 
 
@@ -79,6 +80,7 @@ def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         logit_bias=tuple(sorted(msg.logit_bias.items())), stop_token_ids=tuple(msg.stop_token_ids),
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        allowed_token_ids=tuple(msg.allowed_token_ids), bad_words=tuple(tuple(w.ids) for w in msg.bad_words),
     )
 
 

@@ -6,8 +6,10 @@ output so far and the drafts before row k — and never x_{k+1}, the token the r
 output under any processor is then exactly plain decoding with it (greedy: the argmax of the processed row;
 sampled: the rejection test against the processed target distribution).
 
-Order (vLLM's sampler): min_tokens and logit_bias, then the repetition (prompt + output, Hugging Face's rule:
-divide a positive logit, multiply a negative one), frequency and presence (output only) penalties.
+Order (vLLM's sampler): allowed_token_ids, bad_words, min_tokens and logit_bias, then the repetition (prompt +
+output, Hugging Face's rule: divide a positive logit, multiply a negative one), frequency and presence (output
+only) penalties. A bad word's last token is banned in a row whose output (the drafts before it included) ends
+with the rest of the word: the row's own context, as everywhere here.
 Temperature and min_p follow in `services.sampling.logits_to_probs`; min_p never moves the argmax.
 """
 
@@ -33,7 +35,7 @@ class RowContext:
 def active(p: SamplingParams) -> bool:
     """Whether any processor of `p` changes logits (min_p is applied with the sampling filters)."""
     return bool(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty or p.logit_bias
-                or p.min_tokens > 0)
+                or p.min_tokens > 0 or p.allowed_token_ids or p.bad_words)
 
 
 def apply(logits: torch.Tensor, rows: Sequence[RowContext | None]) -> torch.Tensor:
@@ -45,7 +47,7 @@ def apply(logits: torch.Tensor, rows: Sequence[RowContext | None]) -> torch.Tens
     out = logits.float().clone()
     sub = out[index]  # [R, V]
     vocab, dev = sub.shape[-1], sub.device
-    sub = _min_tokens(_logit_bias(sub, ctxs), ctxs)
+    sub = _min_tokens(_logit_bias(_bad_words(_allowed(sub, ctxs), ctxs), ctxs), ctxs)
     counts = _counts([c.output for c in ctxs], vocab, dev)  # [R, V] occurrences in the output
     rep = torch.tensor([c.params.repetition_penalty for c in ctxs], device=dev)[:, None]  # [R, 1]
     if bool((rep != 1.0).any()):
@@ -74,6 +76,24 @@ def _logit_bias(sub: torch.Tensor, ctxs: Sequence[RowContext]) -> torch.Tensor:
             ids, bias = zip(*ctx.params.logit_bias, strict=True)
             sub[r].index_add_(0, torch.tensor(ids, dtype=torch.long, device=sub.device),
                               torch.tensor(bias, dtype=sub.dtype, device=sub.device))
+    return sub
+
+
+def _allowed(sub: torch.Tensor, ctxs: Sequence[RowContext]) -> torch.Tensor:
+    for r, ctx in enumerate(ctxs):
+        if ctx.params.allowed_token_ids:
+            keep = torch.zeros(sub.shape[-1], dtype=torch.bool, device=sub.device)
+            keep[list(ctx.params.allowed_token_ids)] = True
+            sub[r].masked_fill_(~keep, float("-inf"))
+    return sub
+
+
+def _bad_words(sub: torch.Tensor, ctxs: Sequence[RowContext]) -> torch.Tensor:
+    for r, ctx in enumerate(ctxs):
+        for word in ctx.params.bad_words:
+            *head, last = word
+            if not head or (len(ctx.output) >= len(head) and list(ctx.output[len(ctx.output) - len(head):]) == head):
+                sub[r, last] = float("-inf")
     return sub
 
 

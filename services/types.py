@@ -13,6 +13,9 @@ from services.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's bound for completions and chat)
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's bound)
+MAX_ALLOWED_TOKENS = 4096  # allowed_token_ids entries
+MAX_BAD_WORDS = 64  # bad-word token sequences, each of at most MAX_BAD_WORD_TOKENS
+MAX_BAD_WORD_TOKENS = 32
 MAX_PENALTY = 100.0  # repetition_penalty above this is no sampling any more, only a way to stall a step
 
 
@@ -48,6 +51,9 @@ class SamplingParams:
     min_tokens: int = 0  # `stop_token_ids` are masked while fewer output tokens than this exist
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     stop_token_ids: tuple[int, ...] = ()  # what min_tokens masks: the model's EOS (unless ignored) + the request's
+    allowed_token_ids: tuple[int, ...] = ()  # only these may be generated; () = every token (vLLM)
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never completed: a sequence's last token is
+    # banned wherever the output ends with the rest of it (vLLM's bad_words, tokenized by the router)
     # Log-probabilities of the target's raw distribution (log-softmax of the logits, vLLM's raw_logprobs):
     logprobs: int | None = None  # per emitted token, with this many top alternatives; None = none
     prompt_logprobs: int | None = None  # per prompt token after the first, likewise
@@ -79,6 +85,12 @@ class SamplingParams:
             raise InvalidRequestError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
         if not all(math.isfinite(b) and -100.0 <= b <= 100.0 for _, b in self.logit_bias):
             raise InvalidRequestError("logit_bias values must be in [-100, 100]")
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKENS:
+            raise InvalidRequestError(f"allowed_token_ids has {len(self.allowed_token_ids)} entries; at most "
+                                      f"{MAX_ALLOWED_TOKENS}")
+        if len(self.bad_words) > MAX_BAD_WORDS or not all(0 < len(w) <= MAX_BAD_WORD_TOKENS for w in self.bad_words):
+            raise InvalidRequestError(f"bad_words: at most {MAX_BAD_WORDS} non-empty token sequences of at most "
+                                      f"{MAX_BAD_WORD_TOKENS} tokens")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:

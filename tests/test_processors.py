@@ -28,12 +28,19 @@ FAMILIES = {
     "logit_bias": {"logit_bias": ((3, 4.0), (11, -3.0), (20, 2.5))},
     "min_tokens": {"min_tokens": 12, "stop_token_ids": (7, 39)},  # tokens greedy emits early
     "min_p": {"min_p": 0.2},
+    "allowed_token_ids": {"allowed_token_ids": tuple(range(0, 96, 3))},
+    "bad_words": {"bad_words": ((94,), (7, 7), (25, 29, 25))},  # a token, a pair and a triple greedy emits
 }
 
 
 def _reference_logits(logits: list[float], params: SamplingParams, prompt: list[int], output: list[int]) -> list[float]:
     """One row's processed logits, token by token (the definitions, not the vectorised code)."""
     out = list(logits)
+    if params.allowed_token_ids:
+        out = [x if v in params.allowed_token_ids else -math.inf for v, x in enumerate(out)]
+    for word in params.bad_words:
+        if tuple(output[len(output) - (len(word) - 1):]) == word[:-1] or len(word) == 1:
+            out[word[-1]] = -math.inf
     for token, bias in params.logit_bias:
         out[token] += bias
     if len(output) < params.min_tokens:

@@ -16,7 +16,7 @@ from services.tokenizer import TextTokenizer
 from tests.tiers import TARGET, api_server, verifier_settings
 
 BASE = {"model": TARGET, "prompt": "def fibonacci(n):", "max_tokens": 6, "temperature": 0}
-CHANGES_OUTPUT = {"allowed_token_ids": [5, 6], "bad_words": ["def"], "structured_outputs": {"regex": "a+"},
+CHANGES_OUTPUT = {"structured_outputs": {"regex": "a+"},
                   "top_n_sigma": 1.0, "logits_processors": ["x"], "typical_p": 0.5, "functions": [{"name": "f"}],
                   "function_call": "auto", "regex": "a+", "json_schema": "{}", "ebnf": "root ::= 'a'",
                   "response_format": {"type": "json_object"}, "tools": [{"type": "function"}]}
@@ -60,6 +60,34 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(servers):
     assert whole["usage"]["prompt_tokens"] == len(ids)
     bad = httpx.post(servers[0] + "/v1/completions", json={**BASE, "truncate_prompt_tokens": 0})
     assert bad.status_code == 400 and "truncate_prompt_tokens" in bad.text
+
+
+def test_allowed_token_ids_and_bad_words_are_honoured(servers):
+    """The processors themselves are checked against a reference in tests/test_processors.py; here, the API."""
+    tok = TextTokenizer.from_dir(resolve_model(TARGET))
+    body = {**BASE, "max_tokens": 12, "logprobs": 0}
+    plain = httpx.post(servers[0] + "/v1/completions", json=body).json()["choices"][0]
+    allowed = sorted(set(range(40, 400)))
+    kept = httpx.post(servers[0] + "/v1/completions", json={**body, "allowed_token_ids": allowed}).json()["choices"][0]
+    ids = [tok.encode(t, add_special_tokens=False) for t in kept["logprobs"]["tokens"]]
+    assert all(len(i) == 1 and i[0] in allowed for i in ids) and kept["text"] != plain["text"]
+    k, word = next((k, t) for k, t in enumerate(plain["logprobs"]["tokens"]) if t.strip() == t and t)
+    banned = httpx.post(servers[0] + "/v1/completions", json={**body, "bad_words": [word]}).json()["choices"][0]
+    assert banned["logprobs"]["tokens"][:k] == plain["logprobs"]["tokens"][:k]  # the same until the word
+    assert banned["logprobs"]["tokens"][k] != word
+    too_many = httpx.post(servers[0] + "/v1/completions", json={**BASE, "allowed_token_ids": [10**6]})
+    assert too_many.status_code == 400 and "allowed_token_ids" in too_many.text
+
+
+def test_bad_words_are_tokenized_as_vllm_does():
+    from router.api.admission import Admission
+
+    tok = TextTokenizer.from_dir(resolve_model(TARGET))
+    admit = Admission.__new__(Admission)
+    admit.tokenizer = tok
+    words = admit.bad_words(["  return", "x"])
+    assert tuple(tok.encode("return", add_special_tokens=False)) in words
+    assert all(w for w in words) and len(words) == len(set(words))
 
 
 def test_add_special_tokens_is_the_bos_rule_of_text_prompts(servers):

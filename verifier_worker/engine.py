@@ -91,6 +91,8 @@ class Engine:
         tokens = [*prompt_ids, *resume_ids]
         self._check_vocab(tokens, "prompt")
         self._check_vocab([t for t, _ in params.logit_bias], "logit_bias")
+        self._check_vocab(params.allowed_token_ids, "allowed_token_ids")
+        self._check_vocab([t for w in params.bad_words for t in w], "bad_words")
         self._check_vocab(list(params.stop_token_ids), "stop")
         if len(tokens) + params.max_tokens > self.max_len:
             raise InvalidRequestError(

@@ -17,7 +17,7 @@ from router.router import Router
 from router.session import RouterRequest
 from services.errors import InvalidRequestError
 from services.tokenizer import TextTokenizer
-from services.types import SamplingParams
+from services.types import MAX_BAD_WORD_TOKENS, SamplingParams
 
 
 class AdmissionError(InvalidRequestError):
@@ -46,6 +46,18 @@ class Admission:
             raise AdmissionError(str(e), param) from e
         self._fits(text, param)
         return self.tokenizer.chat_ids(messages)
+
+    def bad_words(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's rule: each word as written (left-stripped) and, where that makes other tokens of the same
+        count, with a leading space (the word inside a sentence)."""
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            bare = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if len(bare) > MAX_BAD_WORD_TOKENS or len(spaced) > MAX_BAD_WORD_TOKENS:
+                raise AdmissionError(f"a bad word may be at most {MAX_BAD_WORD_TOKENS} tokens", "bad_words")
+            out += [w for w in (bare, spaced) if w and w not in out and (w is bare or len(w) == len(bare))]
+        return tuple(out)
 
     def _fits(self, text: str, param: str) -> None:
         if len(text) > self.max_chars:
@@ -79,6 +91,8 @@ class Admission:
                                  "min_tokens")
         if params.logit_bias:
             self.token_ids([t for t, _ in params.logit_bias], "logit_bias")
+        if params.allowed_token_ids:
+            self.token_ids(params.allowed_token_ids, "allowed_token_ids")
         if params.min_tokens:
             params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(stop_ids)))
         return RouterRequest(prompt_ids, params, session_id(client_id), stop, stop_ids,

@@ -36,6 +36,8 @@ class HttpAdmission:
         for i, prompt_ids in enumerate(prompts):
             max_tokens = self.admit.max_tokens(body.wanted_tokens(), len(prompt_ids), body.prompt_param)
             params = body.sampling(max_tokens)
+            if body.bad_words:
+                params = dataclasses.replace(params, bad_words=self.admit.bad_words(body.bad_words))
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             group = []
             for j in range(samples):

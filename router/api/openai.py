@@ -17,7 +17,14 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 
 from protos.validate import MAX_STOP_STRINGS
 from protos.validate import MIN_TEMPERATURE as GREEDY_BELOW
-from services.types import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, SamplingParams
+from services.types import (
+    MAX_ALLOWED_TOKENS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    SamplingParams,
+)
 
 MAX_BATCH = 64  # prompts in one completions request, and choices (prompts × samples) in one request
 MAX_STOP_CHARS = 256  # each cycle matches every prefix of every stop string: quadratic in its length
@@ -66,7 +73,7 @@ class SpeculativeOptions(_Body):
 UNSERVED = {"use_beam_search": False, "length_penalty": 1.0,
             "suffix": None, "response_format": None, "tools": None, "tool_choice": None, "guided_json": None,
             "guided_regex": None, "guided_choice": None, "guided_grammar": None, "prompt_logprobs": None,
-            "structured_outputs": None, "allowed_token_ids": None, "bad_words": None, "top_n_sigma": -1.0,
+            "structured_outputs": None, "top_n_sigma": -1.0,
             "logits_processors": None, "typical_p": 1.0, "functions": None, "function_call": None,
             "regex": None, "json_schema": None, "ebnf": None, "continue_final_message": False,
             "chat_template": None, "chat_template_kwargs": None, "return_tokens_as_token_ids": False,
@@ -97,6 +104,11 @@ class _Common(_Body):
     min_tokens: int = Field(0, ge=0, lt=2**31)
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_ALLOWED_TOKENS)] | None = Field(
+        None, description="only these token ids may be generated (vLLM)")
+    bad_words: Annotated[list[Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]],
+                         Field(max_length=MAX_BAD_WORDS // 2)] | None = Field(
+        None, description="words never generated: each one's last token is banned after the rest of it (vLLM)")
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     speculative: SpeculativeOptions | None = None
@@ -151,6 +163,7 @@ class _Common(_Body):
                               seed=self.seed, max_tokens=max_tokens, repetition_penalty=self.repetition_penalty,
                               frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                               min_p=self.min_p, min_tokens=self.min_tokens, logit_bias=bias, logprobs=logprobs,
+                              allowed_token_ids=tuple(self.allowed_token_ids or ()),
                               prompt_logprobs=prompt_logprobs)
 
 
