@@ -31,9 +31,8 @@ class PipModel:
 
     def location(self) -> str | None:
         """The cached model directory once built, else None (nothing is assembled or converted here)."""
-        for path in gguf.cache_root().glob(f"{self.sha256}/{gguf.SOURCE}"):
-            return str(path.parent)
-        return None
+        done = gguf.cache_root() / self.sha256
+        return str(done) if (done / gguf.SOURCE).is_file() else None
 
     def resolve(self) -> Path:
         if self.location() is not None:
