@@ -48,7 +48,7 @@ def test_vllm_method_comes_from_the_checkpoint_and_mtp_aliases_are_mtp():
     ({"method": "mtp", "model": MTP, "num_speculative_tokens": 3}, "one token per cycle"),
     ({"method": "dspark", "model": DSPARK, "rejection_sample_method": "synthetic"}, "only 'standard'"),
     ({"method": "eagle3", "model": EAGLE3, "parallel_drafting": True}, "chain drafter"),
-    ({"model": "/nonexistent/drafter"}, "neither a model directory nor a shipped model"),
+    ({"model": "/nonexistent/drafter"}, "neither a model directory, a .gguf file nor a shipped model"),
 ])
 def test_vllm_fields_not_honoured_are_refused_by_name(config, message):
     with pytest.raises(InvalidRequestError, match=message):

@@ -48,7 +48,8 @@ def test_train_resume_export(small_corpus, tmp_path):
 
 def test_registry_lists_and_resolves(small_corpus, tmp_path, monkeypatch, capsys):
     train(_config(small_corpus, tmp_path, 128), log=lambda _: None)
-    (entry,) = list_models(tmp_path)
+    entry, *pip_installed = list_models(tmp_path)
+    assert [e.name for e in pip_installed] == ["gemma-3-270m"]
     assert (entry.name, entry.kind, entry.target) == ("m", "target", None)
     assert entry.parameters == sum(p.numel() for p in load_model(tmp_path / "m").state_dict().values())
     assert resolve_model("m", tmp_path) == tmp_path / "m"
