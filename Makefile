@@ -132,7 +132,7 @@ drafters-v2: drafters-v2-cache
 # a kept machine, the gzip copies of the token ids in runs/drafters-gemma on a fresh one (commit them).
 drafters-gemma-rollouts: data-deps $(BIN)/dspark
 	@test -f build/data-v2/manifest.json || $(BIN)/dspark data build --out build/data-v2 --eval-dir build/data-v2/eval
-	$(BIN)/dspark data target-cache --target gemma-3-270m --data-dir build/data-v2 --prompts-per-domain 4000 \
+	$(BIN)/dspark data target-cache --target gemma-3-270m --data-dir build/data-v2 --prompts-per-domain 2000 \
 		--max-new-tokens 256 --temperatures 0 1 --top-p 1.0 --code-prompts-per-file 12 --batch 48 \
 		--rollout-dtype auto --mirror-dir runs/drafters-gemma --rollouts-only
 

@@ -48,6 +48,8 @@ def run_convert(args: argparse.Namespace) -> int:
     for name in shared_names(drafter):  # a shipped copy that differs from the target has no place in the layout
         mine = drafter.get_parameter(name)
         theirs = target.get_parameter("model." + name if name.startswith("embed") else name)
+        if name == "lm_head.weight" and drafter.reduced_vocab:  # the rows of its draft vocabulary
+            theirs = theirs[drafter.to_target(torch.arange(len(mine)))]
         if not torch.equal(mine, theirs):
             raise ModelLoadError(f"{args.src}: its {name} differs from the target's; dspark's layout shares it")
     drafter.dconfig.target = model_name(args.target)

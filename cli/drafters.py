@@ -29,6 +29,8 @@ def add_cache_parser(data_sub) -> None:
     p.add_argument("--batch", type=int, default=48, help="requests decoded together in the rollouts")
     p.add_argument("--rollout-dtype", default="float32", help="the dtype the target generates in (auto: bf16 "
                    "where native)")
+    p.add_argument("--feature-dtype", default="float32", help="the dtype the target's features are taken in (auto: "
+                   "bf16 where native, as a real target is served)")
     p.add_argument("--compile", action="store_true", help="run the rollouts' target steps under torch.compile")
     p.add_argument("--mirror-dir", type=Path, help="gzip copies of the rollouts (commit them to resume elsewhere)")
     p.add_argument("--rollouts-only", action="store_true", help="stop after the rollouts (no feature cache)")
@@ -93,6 +95,8 @@ def add_train_parser(train_sub) -> None:
     p.add_argument("--mirror-dir", type=Path, help="a compact copy of the run, refreshed every --mirror-every "
                    "steps: commit it to resume the run on a fresh machine (used when RUN_DIR holds no state)")
     p.add_argument("--mirror-every", type=int, default=250)
+    p.add_argument("--draft-vocab", type=Path, help="a draft vocabulary (d2t, from `dspark data draft-vocab "
+                   "--out`): the drafter's head scores only its ids")
     p.add_argument("--unroll", type=int, default=0, help="chain drafters: training-time-test steps (0: the block "
                    "size; MTP-1 with 2 also learns to draft from its own output, as drafting ahead does)")
 
@@ -114,16 +118,17 @@ def run_target_cache(args: argparse.Namespace) -> int:
                         temperature=args.temperature, top_p=args.top_p, temperatures=tuple(args.temperatures),
                         code_prompts_per_file=args.code_prompts_per_file, batch=args.batch, compile=args.compile)
     caches = prepare(args.target, _cache_dir(args), args.data_dir, cfg, val_per_domain=args.val_per_domain,
-                     mirror_dir=args.mirror_dir, rollout_dtype=args.rollout_dtype, rollouts_only=args.rollouts_only)
+                     mirror_dir=args.mirror_dir, rollout_dtype=args.rollout_dtype, rollouts_only=args.rollouts_only,
+                     feature_dtype=args.feature_dtype)
     _log()(f"target {'rollouts' if args.rollouts_only else 'caches'}: {', '.join(str(c) for c in caches.values())}")
     return 0
 
 
 def run_train_drafter(args: argparse.Namespace) -> int:
+    from safetensors.torch import load_file
     from tokenizers import Tokenizer
 
     from drafter_worker.config import default_config
-    from services.chat_template import MASK
     from services.loader import load_model
     from services.registry import model_name, resolve_model
     from training.drafter import DrafterTrainConfig, train
@@ -135,8 +140,10 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     caches = prepare(args.target, cache_dir, args.data_dir, RolloutConfig())
     train_cache, val_cache = TargetCache(caches["train"]), TargetCache(caches["val"])
     target_dir = resolve_model(args.target)
-    mask_id = Tokenizer.from_file(str(target_dir / "tokenizer.json")).token_to_id(MASK)
-    dcfg = default_config(args.method, model_name(args.target), train_cache.tap_layers, mask_id, args.head)
+    mask_id = mask_token_id(Tokenizer.from_file(str(target_dir / "tokenizer.json")))
+    d2t = None if args.draft_vocab is None else load_file(str(args.draft_vocab))["d2t"]
+    dcfg = default_config(args.method, model_name(args.target), train_cache.tap_layers, mask_id, args.head,
+                          None if d2t is None else len(d2t))
     suffix = args.method if args.method != "dspark" or args.head == "markov" else f"dspark-{args.head}"
     cfg = DrafterTrainConfig(
         run_dir=args.run_dir or cache_dir / "runs" / suffix,
@@ -146,9 +153,21 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         patience=args.patience, autocast=False if args.no_autocast else None, standin_weight=args.standin_weight,
         init_from=args.init_from, unroll=args.unroll, mirror_dir=args.mirror_dir, mirror_every=args.mirror_every)
     target = load_model(target_dir, "float32", "cpu")
-    out = train(dcfg, target, train_cache, val_cache, cfg, log=_log())
+    out = train(dcfg, target, train_cache, val_cache, cfg, log=_log(), d2t=d2t)
     _log()(f"exported the drafter to {out}")
     return 0
+
+
+def mask_token_id(tokenizer) -> int:
+    """The [MASK] row a block drafter's empty slots embed: dspark's own targets' `<|mask|>`, Gemma's `<mask>`,
+    BERT-style `[MASK]` — the first the target's tokenizer has."""
+    from services.chat_template import MASK
+
+    for token in (MASK, "<mask>", "[MASK]"):
+        found = tokenizer.token_to_id(token)
+        if found is not None:
+            return found
+    raise SystemExit(f"the target's tokenizer has no mask token ({MASK}, <mask> or [MASK]) for a block drafter")
 
 
 def _steps(args: argparse.Namespace, sequences: int) -> int:

@@ -30,7 +30,8 @@ class BlockDraftModel(DraftModelBase):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.seq_head = None
         if dcfg.head is not None:
-            self.seq_head = SequentialHead(dcfg.head, cfg.vocab_size, cfg.hidden_size, dcfg.markov_rank)
+            self.seq_head = SequentialHead(dcfg.head, self.draft_vocab, cfg.hidden_size, dcfg.markov_rank,
+                                           other_row=self.reduced_vocab)
         self.confidence = ConfidenceHead(cfg.hidden_size, dcfg.markov_rank) if dcfg.confidence_head else None
 
     def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> ContextKV:
@@ -106,28 +107,29 @@ class BlockDraftModel(DraftModelBase):
 
     def block_start(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv: ContextKV, ctx_mask: torch.Tensor,
                     gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The parallel part of drafting a block → h [A, γ, d], U [A, γ, V] fp32, the head's first state."""
+        """The parallel part of drafting a block → h [A, γ, d], U [A, γ, Vd] fp32, the head's first state."""
         return self.heads_start(self.backbone(anchors, anchor_pos, ctx_kv, ctx_mask, gamma))
 
     def heads_start(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Backbone states h [A, γ, d] → h, U [A, γ, V] fp32, the head's first state."""
+        """Backbone states h [A, γ, d] → h, U [A, γ, Vd] fp32, the head's first state."""
         state = None if self.seq_head is None else self.seq_head.init_state(h.shape[0], h[:, 0])
         return h, self.lm_head(h).float(), state
 
     def head_step(self, base_k: torch.Tensor, h_k: torch.Tensor, prev: torch.Tensor, state: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Sequential step k: U_k [A, V], h_k [A, d], x_{k−1} [A] → logits U_k + B_k [A, V] fp32, confidence
-        logit [A] (None without the head), next state."""
+        """Sequential step k: U_k [A, Vd], h_k [A, d], x_{k−1} [A] (target ids) → logits U_k + B_k [A, Vd] fp32,
+        confidence logit [A] (None without the head), next state."""
         if self.seq_head is None:
             return base_k, None, state
-        bias, prev_embed, state = self.seq_head.step(prev, h_k, state)
+        bias, prev_embed, state = self.seq_head.step(self.draft_ids(prev), h_k, state)
         conf = None if self.confidence is None else self.confidence(h_k, prev_embed).float()
         return base_k + bias.float(), conf, state
 
     def draft_greedy(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv: ContextKV, ctx_mask: torch.Tensor,
                      gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """A whole greedy block on tensors only (what a compiled drafter traces), each step taking the argmax
-        of U_k + B_k → tokens [A, γ], peaks max_v q [A, γ], confidence logits [A, γ] (None without the head)."""
+        of U_k + B_k → tokens [A, γ] (target ids), peaks max_v q [A, γ], confidence logits [A, γ] (None without
+        the head)."""
         return self.greedy_heads(self.backbone(anchors, anchor_pos, ctx_kv, ctx_mask, gamma), anchors)
 
     def greedy_heads(self, h: torch.Tensor, anchors: torch.Tensor
@@ -136,24 +138,25 @@ class BlockDraftModel(DraftModelBase):
         h, base, state = self.heads_start(h)
         if self.seq_head is None:  # DFlash: no step depends on the one before
             peaks, tokens = base.softmax(-1).max(-1)  # [A, γ]
-            return tokens, peaks, None
+            return self.to_target(tokens), peaks, None
         prev, tokens, peaks, conf = anchors, [], [], []
         gamma = h.shape[1]
         for k in range(gamma):
             logits, z, state = self.head_step(base[:, k], h[:, k], prev, state)
             if z is not None:
                 conf.append(z)
-            peak, prev = logits.softmax(-1).max(-1)  # [A], [A]
+            peak, pick = logits.softmax(-1).max(-1)  # [A], [A]
+            prev = self.to_target(pick)
             tokens.append(prev)
             peaks.append(peak)
         return torch.stack(tokens, 1), torch.stack(peaks, 1), torch.stack(conf, 1) if conf else None
 
     def teacher_forced(self, h: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Training: h [A, γ, d], ground-truth previous tokens prev [A, γ] (anchor first) →
-        draft logits U + B [A, γ, V] and confidence logits [A, γ] (None without the head)."""
-        logits = self.lm_head(h)  # U [A, γ, V]
+        """Training: h [A, γ, d], ground-truth previous tokens prev [A, γ] (target ids, anchor first) →
+        draft logits U + B [A, γ, Vd] and confidence logits [A, γ] (None without the head)."""
+        logits = self.lm_head(h)  # U [A, γ, Vd]
         if self.seq_head is None:
             return logits, None
-        bias, prev_embed = self.seq_head.teacher_forced(prev, h)
+        bias, prev_embed = self.seq_head.teacher_forced(self.draft_ids(prev), h)
         conf = self.confidence(h, prev_embed) if self.confidence is not None else None
         return logits + bias, conf

@@ -41,7 +41,8 @@ class ChainDraftModel(DraftModelBase):
         return self.layer.finish(residual, self.layer.self_attn.attend(q, k, v, mask))
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        return self.vocab_logits(self.norm(out))
+        """Row outputs [..., d] → logits over the draft vocabulary [..., Vd]."""
+        return self.lm_head(self.norm(out))
 
     def unrolled(self, taps: torch.Tensor, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training-time test over whole sequences: taps [B, S, T*d], ids [B, S] → the row outputs [B, S, d]

@@ -29,24 +29,38 @@ from services.model_config import ModelConfig
 from services.registry import resolve_model
 
 DraftModel = BlockDraftModel | ChainDraftModel | MtpDraftModel
-_SHARED = ("embed_tokens.weight", "lm_head.weight")  # the target's, never stored with the drafter
-
-
-def build_draft_model(dcfg: DrafterConfig, target: CausalLM, cfg: ModelConfig | None = None) -> DraftModel:
-    """A fresh draft model sharing (a frozen copy of) the target's embedding and LM head; its layers shaped
-    by `cfg` (the draft's own config; default the target's)."""
+def build_draft_model(dcfg: DrafterConfig, target: CausalLM, cfg: ModelConfig | None = None,
+                      d2t: torch.Tensor | None = None) -> DraftModel:
+    """A fresh draft model on the target's embedding (shared, frozen) and a frozen copy of its LM head — over a
+    draft vocabulary, the rows `d2t` names (given: a model to train; absent: the checkpoint's d2t and head come
+    at load time); its layers shaped by `cfg` (the draft's own config; default the target's)."""
     cls = BlockDraftModel if dcfg.method.is_block else ChainDraftModel
-    model = cls(dcfg, cfg or target.config).to(device=target.device, dtype=target.dtype)
-    model.embed_tokens.weight = torch.nn.Parameter(target.model.embed_tokens.weight.detach().clone(),
-                                                   requires_grad=False)
-    if not model.reduced_vocab:  # a reduced vocabulary has its own [Vd, d] head, loaded from the checkpoint
-        model.lm_head.weight = torch.nn.Parameter(target.lm_head.weight.detach().clone(), requires_grad=False)
+    model = cls(dcfg, cfg or fresh_layers_config(target.config)).to(device=target.device, dtype=target.dtype)
+    model.embed_tokens.weight = torch.nn.Parameter(target.model.embed_tokens.weight.detach(), requires_grad=False)
+    if model.reduced_vocab and d2t is None:
+        return model
+    model.index_vocab(d2t)
+    model.share_head(target.lm_head.weight.detach().clone())
     return model
 
 
+def fresh_layers_config(target: ModelConfig) -> ModelConfig:
+    """The decoder a fresh drafter's layers are: the target's own; for Gemma (GeGLU, q/k norms, four norms a layer,
+    (1 + w) weights — none of it on the drafter kernels, `fused_block` / `fused_chain`) a Llama layer of the
+    target's width: heads of 64, two KV heads, SwiGLU, RMSNorm. Saved as the drafter's own config.json."""
+    if target.gemma is None:
+        return target
+    heads = target.hidden_size // 64
+    return dataclasses.replace(target, architecture="LlamaForCausalLM", num_attention_heads=heads,
+                               num_key_value_heads=2 if heads % 2 == 0 else 1, head_dim=64, qk_norm=False,
+                               hidden_act="silu", gemma=None, sliding_window=None, tie_word_embeddings=False)
+
+
 def shared_names(model: DraftModel) -> tuple[str, ...]:
-    """The tensors a drafter takes from its target instead of its checkpoint."""
-    return _SHARED[:1] if model.reduced_vocab else _SHARED
+    """The tensors a drafter takes from its target instead of its checkpoint: the embedding, and the LM head
+    unless it is the drafter's own (a released EAGLE-3 head over a draft vocabulary)."""
+    own_head = model.reduced_vocab and not model.shares_head
+    return ("embed_tokens.weight",) if own_head else ("embed_tokens.weight", "lm_head.weight")
 
 
 def save_drafter(model: DraftModel, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
@@ -106,7 +120,9 @@ def load_drafter(name_or_dir: str | Path, target: CausalLM, dtype: str | torch.d
         model, state = _chain_or_block(raw, model_dir, fmt, dcfg, target)
     device = resolve_device(device)
     model = model.to(device=device, dtype=resolve_dtype(dtype, device))
-    shared = set(shared_names(model))
+    shared = {"embed_tokens.weight"}
+    if not model.reduced_vocab or "lm_head.weight" not in state:  # else its own head, stored with it
+        shared.add("lm_head.weight")
     expected = set(model.state_dict()) - shared | (set(state) & shared)
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
@@ -117,6 +133,10 @@ def load_drafter(name_or_dir: str | Path, target: CausalLM, dtype: str | torch.d
     if wrong:
         raise ModelLoadError(f"{model_dir}: wrong shapes: {', '.join(wrong[:3])}")
     model.load_state_dict(state, strict=False)
+    if model.reduced_vocab:
+        model.index_vocab()  # t2d from the loaded d2t
+        if "lm_head.weight" not in state:
+            model.share_head(target.lm_head.weight)
     calibration_path = model_dir / "calibration.json"
     calibration = Calibration.load(calibration_path) if calibration_path.is_file() else None
     return model.eval(), calibration

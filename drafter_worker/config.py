@@ -41,8 +41,8 @@ class DrafterConfig:
     head: HeadType | None = None  # dspark only
     markov_rank: int = 0
     confidence_head: bool = False
-    # Drafting over a reduced vocabulary (EAGLE-3's d2t): the drafter's own LM head has this many rows, and
-    # draft id i is target id i + d2t[i]; None: the target's vocabulary and LM head.
+    # Drafting over a reduced vocabulary (EAGLE-3's d2t, drafter_worker/base.py): the LM head has this many rows,
+    # and draft id i is target id i + d2t[i]; None: the target's vocabulary and LM head.
     draft_vocab_size: int | None = None
     norm_before_residual: bool = False  # EAGLE-3 (vLLM speculators): residual = hidden_norm(hidden)
     # Block drafters: "anchor" — slot k of [anchor, MASK…] predicts the next position (DeepSpec, dspark);
@@ -67,8 +67,8 @@ class DrafterConfig:
             raise ValueError("the sequential head needs markov_rank >= 1")
         if self.confidence_head and self.method is not Method.DSPARK:
             raise ValueError("only dspark has a confidence head")
-        if self.draft_vocab_size is not None and self.method is not Method.EAGLE3:
-            raise ValueError("a reduced draft vocabulary is implemented for eagle3 drafters only")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError("draft_vocab_size must be >= 1")
         if self.norm_before_residual and self.method is not Method.EAGLE3:
             raise ValueError("norm_before_residual is an eagle3 option")
         if self.layout not in ("anchor", "fill_in") or (self.layout == "fill_in" and not self.method.is_block):
@@ -89,15 +89,17 @@ class DrafterConfig:
 
 
 def default_config(method: Method | str, target: str, tap_layers: tuple[int, ...], mask_token_id: int,
-                   head: HeadType | str = HeadType.MARKOV) -> DrafterConfig:
+                   head: HeadType | str = HeadType.MARKOV, draft_vocab_size: int | None = None) -> DrafterConfig:
     """The shipped recipe per method: DSpark and DFlash share a 2-layer backbone and γ = 7, EAGLE-3 one
-    layer unrolled 7 steps, MTP one layer and one draft."""
+    layer unrolled 7 steps, MTP one layer and one draft; all over the same draft vocabulary."""
     method = Method(method)
+    vd = draft_vocab_size
     if method is Method.MTP:
-        return DrafterConfig(method, target, tap_layers, num_layers=1, block_size=1)
+        return DrafterConfig(method, target, tap_layers, num_layers=1, block_size=1, draft_vocab_size=vd)
     if method is Method.EAGLE3:
-        return DrafterConfig(method, target, tap_layers, num_layers=1, block_size=7)
+        return DrafterConfig(method, target, tap_layers, num_layers=1, block_size=7, draft_vocab_size=vd)
     if method is Method.DFLASH:
-        return DrafterConfig(method, target, tap_layers, num_layers=2, block_size=7, mask_token_id=mask_token_id)
+        return DrafterConfig(method, target, tap_layers, num_layers=2, block_size=7, mask_token_id=mask_token_id,
+                             draft_vocab_size=vd)
     return DrafterConfig(method, target, tap_layers, num_layers=2, block_size=7, mask_token_id=mask_token_id,
-                         head=HeadType(head), markov_rank=128, confidence_head=True)
+                         head=HeadType(head), markov_rank=128, confidence_head=True, draft_vocab_size=vd)

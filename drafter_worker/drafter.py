@@ -247,18 +247,21 @@ class Drafter(StatelessProposer):
 
     def _sample(self, logits: torch.Tensor, sampling: list[SamplingParams], steer: list[bool] | None,
                 knobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
-        """logits [R, V] fp32 → next tokens [R] and per request (token, q ids [K] and probs [K] or None, peak);
+        """logits [R, Vd] fp32 → next tokens [R] (target ids) and per request (token, q ids [K] and probs [K] or None, peak);
         rows with `steer` set draw from (and report) the steered q'; `knobs`: `_knobs(sampling)`, made once a block.
 
         The peak max_v q(v) is taken before the token is drawn: the router's acceptance estimate for
         drafters without a confidence head, which must not depend on the token itself.
         """
+        to_target = self.model.to_target  # logits are over the draft vocabulary; what leaves here, target ids
         if all(p.greedy for p in sampling):  # the argmax is all a greedy block needs: no sort, no q
-            peak, tokens = logits.softmax(-1).max(-1)  # [R], [R]
+            peak, picks = logits.softmax(-1).max(-1)  # [R], [R]
+            tokens = to_target(picks)
             return tokens, [(int(t), None, float(c)) for t, c in zip(tokens, peak, strict=True)]
         temps, top_k, top_p = knobs
-        probs = logits_to_probs(logits, temps, top_k, top_p)  # [R, V]
+        probs = logits_to_probs(logits, temps, top_k, top_p)  # [R, Vd]
         ids, q = truncate_to_sparse(probs, self.max_q)  # [R, K]
+        ids = to_target(ids)
         peak_q = q[:, 0]  # q is sorted: column 0 is the max (the signal is the unsteered peak)
         if self.steering is not None and steer and any(steer):
             q = self.steering.apply(q, torch.tensor(steer, device=q.device))
@@ -266,7 +269,7 @@ class Drafter(StatelessProposer):
         tokens, peak = ids.gather(-1, pick)[:, 0], peak_q
         if any(p.greedy for p in sampling):  # greedy rows beside sampled ones: their argmax and T = 1 peak
             greedy = temps == 0
-            tokens = torch.where(greedy, logits.argmax(-1), tokens)
+            tokens = torch.where(greedy, to_target(logits.argmax(-1)), tokens)
             peak = torch.where(greedy, logits.softmax(-1).amax(-1), peak)  # their probs are one-hot
         draft = [(t, None, c) if p.greedy else (t, (ids[i], q[i]), c)
                  for i, (t, p, c) in enumerate(zip(tokens.tolist(), sampling, peak.tolist(), strict=True))]

@@ -104,13 +104,16 @@ def sampled_heads(model: BlockDraftModel, h: torch.Tensor, anchors: torch.Tensor
 
 def _markov_block(model: BlockDraftModel, h: torch.Tensor, anchors: torch.Tensor, sampling: tuple) -> list:
     head, conf = model.seq_head, model.confidence
-    _, base, _ = model.heads_start(h)  # U [A, γ, V] fp32
+    _, base, _ = model.heads_start(h)  # U [A, γ, Vd] fp32
     proj = head.markov_proj
     conf_w = None if conf is None else conf.proj.weight.flatten()  # [d + r]
     conf_b = 0.0 if conf is None or conf.proj.bias is None else float(conf.proj.bias)
-    out = cpu_kernels.markov_block(base, h.contiguous(), anchors, head.markov_embed.weight,
+    out = cpu_kernels.markov_block(base, h.contiguous(), model.draft_ids(anchors), head.markov_embed.weight,
                                    kernel_weight(proj.weight, getattr(proj, "packed", None)), conf_w, conf_b,
-                                   *sampling)
+                                   *sampling)  # draft ids in, draft ids out
+    out[0] = model.to_target(out[0])
+    if len(out) > 3:
+        out[3] = model.to_target(out[3])  # q' ids
     if conf is None:
         out[2] = None
     return out

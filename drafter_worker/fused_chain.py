@@ -65,8 +65,8 @@ def fold(model: ChainDraftModel, cache: ContextCache, slot: int, taps: torch.Ten
 
 
 def logits(model: ChainDraftModel, out: torch.Tensor) -> torch.Tensor:
-    """`ChainDraftModel.logits` with the final norm on the kernel: row outputs [R, d] → [R, V]."""
-    return model.vocab_logits(fused_decoder.rms_norm(model.norm, out))
+    """`ChainDraftModel.logits` with the final norm on the kernel: row outputs [R, d] → [R, Vd]."""
+    return model.lm_head(fused_decoder.rms_norm(model.norm, out))
 
 
 def _inputs(layer: ChainLayer, emb: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

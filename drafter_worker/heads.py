@@ -6,6 +6,8 @@ and B_k depends on the in-block prefix. Only an embedding lookup and an r×V pro
   gated   B_k = W2 · (g_k ⊙ W1[x_{k−1}]),  g_k = σ(G [h_k; W1[x_{k−1}]])
   rnn     z = [s_{k−1}; W1[x_{k−1}]; h_k] → gate, candidate, output;  s_k = σ(g)s_{k−1} + (1−σ(g))tanh(c);
           B_k = W2 · tanh(o)
+Over a draft vocabulary of Vd ids, W1 has Vd + 1 rows (the last for a previous token outside it: the anchor
+may be any target token) and W2 Vd; previous tokens arrive as draft ids (`DraftModelBase.draft_ids`).
 Confidence head: c_k = σ(w · [h_k; W1[x_{k−1}]] + b), the conditional probability that x_k survives
 verification given x_1..x_{k−1} did.
 """
@@ -19,11 +21,11 @@ from drafter_worker.config import HeadType
 
 
 class SequentialHead(nn.Module):
-    def __init__(self, kind: HeadType, vocab_size: int, hidden_size: int, rank: int):
+    def __init__(self, kind: HeadType, vocab_size: int, hidden_size: int, rank: int, other_row: bool = False):
         super().__init__()
         self.kind, self.rank = kind, rank
-        self.markov_embed = nn.Embedding(vocab_size, rank)  # W1
-        self.markov_proj = nn.Linear(rank, vocab_size, bias=False)  # W2
+        self.markov_embed = nn.Embedding(vocab_size + other_row, rank)  # W1 [V (+1), r]
+        self.markov_proj = nn.Linear(rank, vocab_size, bias=False)  # W2 [V, r]
         nn.init.zeros_(self.markov_proj.weight)  # start as the plain backbone: B_k = 0
         if kind is HeadType.GATED:
             self.gate = nn.Linear(hidden_size + rank, rank)

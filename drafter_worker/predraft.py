@@ -58,7 +58,7 @@ def _block(drafter: Drafter, rids: list[str], sent: Sent, gamma: int, budget: in
     start = torch.tensor([len(t) - 1 for t in tokens], device=dev)  # [R] anchor positions p
     h = model.backbone(torch.tensor([t[-1] for t in tokens], device=dev), start, kv, mask, width)  # [R, W, d]
     logits, _ = model.teacher_forced(h, _teacher(rids, sent, width, dev))  # [R, W, V] positions p+1..p+W
-    owner, outcomes = _choose(rids, sent, logits, budget)
+    owner, outcomes = _choose(rids, sent, model.scatter_vocab(logits), budget)
     rope = model.rotary().gather(start[:, None] + torch.arange(width, device=dev), h.dtype)  # [R, W, 1, Dh]
     ext = []  # per layer the context with the stand-ins of p..p+ℓs, [R, Hkv, S+W, Dh]
     for (k, v), layer in zip(kv, model.layers, strict=True):
@@ -94,7 +94,7 @@ def _chain(drafter: Drafter, rids: list[str], sent: Sent, gamma: int, budget: in
         seen = torch.cat([seen, torch.ones_like(seen[:, :1])], 1)
         hidden.append(model.finish(residual, q, keys, values, seen[:, None, None])[:, 0])  # h_k predicts x_{k+1}
     outs = torch.stack(hidden, 1)  # [R, W, d]
-    owner, outcomes = _choose(rids, sent, model.logits(outs).float(), budget)
+    owner, outcomes = _choose(rids, sent, model.scatter_vocab(model.logits(outs).float()), budget)
 
     def draft(picked: list[int]):
         rows = torch.tensor([owner[i] for i in picked], device=dev)

@@ -286,5 +286,12 @@ def test_a_frequency_ranked_draft_vocabulary_keeps_the_full_heads_logits_on_its_
     x = torch.randn(3, D)
     with torch.no_grad():
         a, b = full.logits(x), reduced.logits(x)
-    torch.testing.assert_close(b[:, hot], a[:, hot])
-    assert bool(torch.isinf(b).sum(-1).eq(V - VD).all())
+    assert b.shape == (3, VD)  # logits over the draft vocabulary, in draft-id order
+    torch.testing.assert_close(b, a[:, hot])
+    full_b = reduced.scatter_vocab(b)  # back over the target's vocabulary: −inf outside it
+    torch.testing.assert_close(full_b[:, hot], a[:, hot])
+    assert bool(torch.isinf(full_b).sum(-1).eq(V - VD).all())
+    assert reduced.to_target(torch.arange(VD)).tolist() == hot.tolist()
+    assert reduced.draft_ids(hot).tolist() == list(range(VD))
+    outside = torch.tensor(sorted(set(range(V)) - set(hot.tolist())))
+    assert reduced.draft_ids(outside).eq(VD).all()

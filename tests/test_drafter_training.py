@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from drafter_worker.checkpoint import load_drafter
+from drafter_worker.checkpoint import build_draft_model, load_drafter
 from drafter_worker.config import default_config
 from tests.conftest import VOCAB, make_model
 from training import target_cache
@@ -39,7 +39,7 @@ def test_dspark_loss_matches_hand_computation():
 
 def test_confidence_label_is_detached_and_masked_slots_do_not_count():
     draft = torch.randn(2, 3, 5, requires_grad=True)
-    target = torch.randn(2, 3, 5)
+    target = torch.randn(2, 3, 5).log_softmax(-1)
     conf = torch.randn(2, 3)
     mask = torch.tensor([[True, True, False], [True, False, False]])
     loss, _ = dspark_loss(draft, target, torch.zeros(2, 3, dtype=torch.long), decay_weights(mask), conf,
@@ -116,6 +116,46 @@ def test_a_few_training_steps_of_every_method(caches, method):
     model, calibration = load_drafter(out, target, "float32")
     assert model.dconfig == dcfg and calibration is None
     assert torch.equal(model.lm_head.weight, target.lm_head.weight)  # shared, not stored
+
+
+def test_the_cached_lse_gives_the_log_softmax_and_a_draft_vocabulary_its_rows(caches):
+    """log p_t from the cache's log-sum-exp equals the log-softmax over the whole vocabulary, so a drafter over
+    a draft vocabulary trains on the target's own probabilities of its ids (not renormalised over them)."""
+    from training.drafter import make_batch, target_logp
+    from training.draft_vocab import frequency_d2t
+
+    target, _, cache, _, _ = caches
+    assert cache[0].lse is not None and cache.manifest["version"] == 2
+    batch = make_batch(cache, [0, 3], 4, 3, torch.Generator().manual_seed(0), torch.device("cpu"))
+    rows = batch.anchors[:, None] + torch.arange(3)
+    full = build_draft_model(default_config("dspark", "tiny", TAPS, VOCAB - 1), target)
+    expected = target_logp(full, batch, rows)  # log-softmax of the full head
+    d2t = frequency_d2t(torch.rand(VOCAB, generator=torch.Generator().manual_seed(2)), VOCAB // 3)
+    reduced = build_draft_model(default_config("dspark", "tiny", TAPS, VOCAB - 1, draft_vocab_size=len(d2t)),
+                                target, d2t=d2t)
+    got = target_logp(reduced, batch, rows)  # [A, 3, Vd]
+    torch.testing.assert_close(got, expected[..., torch.arange(len(d2t)) + d2t], atol=2e-2, rtol=0)
+    assert bool((got.exp().sum(-1) < 1).all())  # the mass outside the draft vocabulary stays out
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3", "dflash", "dspark"])
+def test_training_over_a_draft_vocabulary_exports_only_its_own_weights(caches, method):
+    from training.draft_vocab import frequency_d2t
+
+    target, _, cache, val, root = caches
+    d2t = frequency_d2t(torch.rand(VOCAB, generator=torch.Generator().manual_seed(5)), VOCAB // 2)
+    dcfg = default_config(method, "tiny", TAPS, VOCAB - 1, draft_vocab_size=len(d2t))
+    cfg = DrafterTrainConfig(run_dir=root / f"run-vd-{method}", out_dir=root / f"out-vd-{method}", steps=3,
+                             batch_sequences=2, anchors_per_sequence=4, eval_every=3, checkpoint_every=1)
+    with pytest.raises(ValueError, match="needs its d2t"):
+        train(dcfg, target, cache, val, cfg, log=lambda _: None)
+    train(dcfg, target, cache, val, cfg, log=lambda _: None, d2t=d2t)
+    log = [json.loads(line) for line in (cfg.run_dir / "log.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["loss"]) for r in log) and 0 < log[-1]["val"]["expected_accepted"]
+    model, _ = load_drafter(cfg.out_dir, target, "float32")
+    hot = torch.arange(len(d2t)) + d2t
+    assert torch.equal(model.lm_head.weight, target.lm_head.weight[hot])  # the target's rows, not stored
+    assert model.dconfig.draft_vocab_size == len(d2t)
 
 
 def test_a_run_resumes_on_a_fresh_machine_from_its_mirror(caches):

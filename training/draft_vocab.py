@@ -1,9 +1,9 @@
-"""A frequency-ranked draft vocabulary for dspark's own chain drafters, as EAGLE-3 builds one.
+"""A frequency-ranked draft vocabulary for dspark's drafters, as EAGLE-3 builds one.
 
 The Vd most frequent target tokens of a corpus, sorted, become the draft vocabulary: d2t[i] = hot[i] − i
 (SpecForge's rule), and the drafter's LM head keeps only their rows of the target's head. The drafter then
 scores Vd tokens per step instead of V, and its q is 0 outside them; verification stays exact
-(`drafter_worker/base.py: vocab_logits`). What it costs in τ and buys in draft time:
+(`drafter_worker/base.py`). What it costs in τ and buys in draft time:
 `benchmarks/draft_vocab.py`.
 """
 
@@ -13,8 +13,7 @@ import dataclasses
 
 import torch
 
-from drafter_worker.chain_model import ChainDraftModel
-from drafter_worker.config import Method
+from drafter_worker.checkpoint import DraftModel
 
 
 def frequency_d2t(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
@@ -25,17 +24,25 @@ def frequency_d2t(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
     return hot - torch.arange(draft_vocab_size)
 
 
-def reduce_vocab(model: ChainDraftModel, d2t: torch.Tensor) -> ChainDraftModel:
-    """A copy of a full-vocabulary EAGLE-3 drafter that drafts over the tokens d2t names (its head: their rows)."""
-    if model.dconfig.method is not Method.EAGLE3 or model.reduced_vocab:
-        raise ValueError("reduce_vocab takes an eagle3 drafter over the full vocabulary")
+def reduce_vocab(model: DraftModel, d2t: torch.Tensor) -> DraftModel:
+    """A copy of a full-vocabulary drafter that drafts over the tokens d2t names: its head the same rows of the
+    target's (shared), a Markov head's W1 / W2 their rows (W1 a zero row for a token outside)."""
+    if model.reduced_vocab:
+        raise ValueError("reduce_vocab takes a drafter over the full vocabulary")
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
-    reduced = ChainDraftModel(dataclasses.replace(model.dconfig, draft_vocab_size=len(d2t)), model.config)
+    cls = type(model)
+    reduced = cls(dataclasses.replace(model.dconfig, draft_vocab_size=len(d2t)), model.config)
     reduced = reduced.to(device=device, dtype=dtype)
-    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     hot = (torch.arange(len(d2t)) + d2t).to(device)  # target ids, increasing
-    state |= {"lm_head.weight": model.lm_head.weight.detach()[hot], "d2t": d2t.to(device)}
-    reduced.load_state_dict(state)
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    if "seq_head.markov_embed.weight" in state:
+        w1 = state["seq_head.markov_embed.weight"]
+        state["seq_head.markov_embed.weight"] = torch.cat([w1[hot], w1.new_zeros(1, w1.shape[1])])
+        state["seq_head.markov_proj.weight"] = state["seq_head.markov_proj.weight"][hot]
+    reduced.load_state_dict(state | {"d2t": d2t.to(device)}, strict=False)
+    reduced.embed_tokens.weight = model.embed_tokens.weight
+    reduced.index_vocab()
+    reduced.share_head(model.lm_head.weight)
     return reduced.eval()
 
 

@@ -65,6 +65,7 @@ class Batch:
     anchors: torch.Tensor  # [A] anchor positions
     labels: torch.Tensor  # [A, γ]
     eval_mask: torch.Tensor  # [A, γ]
+    lse: torch.Tensor | None = None  # [B, S] the target's log-sum-exp over its whole vocabulary
 
 
 def make_batch(cache: TargetCache, indices: list[int], anchors: int, gamma: int, gen: torch.Generator,
@@ -74,10 +75,13 @@ def make_batch(cache: TargetCache, indices: list[int], anchors: int, gamma: int,
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     taps = torch.zeros(len(seqs), width, seqs[0].taps.shape[1])
     hidden = torch.zeros(len(seqs), width, seqs[0].hidden.shape[1])
+    lse = None if seqs[0].lse is None else torch.zeros(len(seqs), width)
     seq_of, anchor_list, labels, masks = [], [], [], []
     for b, s in enumerate(seqs):
         n = len(s.ids)
         ids[b, :n], taps[b, :n], hidden[b, :n] = s.ids, s.taps, s.hidden
+        if lse is not None:
+            lse[b, :n] = s.lse
         pos = sample_anchors(s.loss_mask, anchors, gen)
         lab, mask = block_labels(s.ids, s.loss_mask, pos, gamma)
         seq_of.append(torch.full_like(pos, b))
@@ -85,7 +89,19 @@ def make_batch(cache: TargetCache, indices: list[int], anchors: int, gamma: int,
         labels.append(lab)
         masks.append(mask)
     return Batch(ids.to(device), taps.to(device), hidden.to(device), torch.cat(seq_of).to(device),
-                 torch.cat(anchor_list).to(device), torch.cat(labels).to(device), torch.cat(masks).to(device))
+                 torch.cat(anchor_list).to(device), torch.cat(labels).to(device), torch.cat(masks).to(device),
+                 None if lse is None else lse.to(device))
+
+
+def target_logp(model: DraftModel, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
+    """log p_t [A, γ, Vd] at the batch's rows [A, γ]: over a draft vocabulary its rows of the head less the cache's
+    log-sum-exp over the whole vocabulary (the head's other rows are never run), else a log-softmax."""
+    logits = model.lm_head(batch.hidden[batch.seq[:, None], rows]).float()  # [A, γ, Vd]
+    if not model.reduced_vocab:
+        return logits.log_softmax(-1)
+    if batch.lse is None:
+        raise ValueError("a drafter over a draft vocabulary trains on a target cache with lse.npy (version 2)")
+    return logits - batch.lse[batch.seq[:, None], rows][..., None]
 
 
 def forward_loss(model: DraftModel, batch: Batch, standin_weight: float = 0.0
@@ -96,7 +112,7 @@ def forward_loss(model: DraftModel, batch: Batch, standin_weight: float = 0.0
     dcfg: DrafterConfig = model.dconfig
     gamma = batch.labels.shape[1]
     rows = (batch.anchors[:, None] + torch.arange(gamma, device=batch.ids.device)).clamp(max=batch.ids.shape[1] - 1)
-    target_logits = model.lm_head(batch.hidden[batch.seq[:, None], rows])  # [A, γ, V]
+    logp_t = target_logp(model, batch, rows)  # [A, γ, Vd]
     if dcfg.method.is_block:
         b, s = batch.ids.shape
         positions = torch.arange(s, device=batch.ids.device).expand(b, s)
@@ -107,25 +123,30 @@ def forward_loss(model: DraftModel, batch: Batch, standin_weight: float = 0.0
         prev = torch.cat([anchor_tokens[:, None], batch.labels[:, :-1]], dim=1)  # teacher forcing [A, γ]
         logits, conf = model.teacher_forced(h, prev)
         weights = decay_weights(batch.eval_mask)
+        labels = model.draft_ids(batch.labels)  # [A, γ]; Vd for a token outside the draft vocabulary
+        inside = labels < model.draft_vocab
         if dcfg.method is Method.DFLASH:
-            loss, terms = dflash_loss(logits, target_logits, batch.labels, weights)
+            loss, terms = dflash_loss(logits, logp_t, labels, weights, inside)
         else:
-            loss, terms = dspark_loss(logits, target_logits, batch.labels, weights, conf)
+            loss, terms = dspark_loss(logits, logp_t, labels, weights, conf, labels_inside=inside)
         if standin_weight:
             terms["standin"] = standin_loss(h, ctx[batch.seq[:, None], rows], batch.eval_mask)
             loss = loss + standin_weight * terms["standin"]
         return loss, terms
     picked = model.unrolled_at(batch.taps, batch.ids, batch.seq, batch.anchors, gamma)  # [A, γ, d] row a−1+k of step k
-    return soft_ce_loss(model.logits(picked), target_logits, step_weights(batch.eval_mask))
+    return soft_ce_loss(model.logits(picked), logp_t, step_weights(batch.eval_mask))
 
 
 def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: TargetCache, cfg: DrafterTrainConfig,
-          log=print) -> Path:
+          log=print, d2t: torch.Tensor | None = None) -> Path:
+    """`d2t`: the draft vocabulary (training/draft_vocab.py) when `dcfg` has one."""
     if cfg.unroll and dcfg.method.is_block:
         raise ValueError(f"unroll is for chain drafters; a {dcfg.method} block has its size fixed")
     steps_per_anchor = cfg.unroll or dcfg.block_size
     torch.manual_seed(cfg.seed)
-    model = build_draft_model(dcfg, target).float().train()
+    if (d2t is None) != (dcfg.draft_vocab_size is None) or (d2t is not None and len(d2t) != dcfg.draft_vocab_size):
+        raise ValueError("a draft vocabulary needs its d2t, of draft_vocab_size ids")
+    model = build_draft_model(dcfg, target, d2t=d2t).float().train()
     if cfg.init_from is not None and not (cfg.run_dir / "state.pt").is_file():  # a resume has its own weights
         model.load_state_dict(load_drafter(cfg.init_from, target, "float32")[0].state_dict())
     params = [p for p in model.parameters() if p.requires_grad]

@@ -15,10 +15,12 @@ from training import rollouts, target_cache
 
 def prepare(target: str, run_dir: Path, data_dir: Path, cfg: rollouts.RolloutConfig, val_per_domain: int = 64,
             tap_layers: tuple[int, ...] | None = None, mirror_dir: Path | None = None,
-            rollout_dtype: str = "float32", rollouts_only: bool = False) -> dict[str, Path]:
+            rollout_dtype: str = "float32", rollouts_only: bool = False, feature_dtype: str = "float32"
+            ) -> dict[str, Path]:
     """Build (or resume) `run_dir/{train,val}` caches; returns their directories. `mirror_dir` keeps gzip copies
     of the rollouts (commit them: a fresh machine resumes the rollouts from them); `rollout_dtype` is the
-    dtype the target generates in (the one it is served in); features are always taken in fp32.
+    dtype the target generates in (the one it is served in); `feature_dtype` the one features are taken in (fp32
+    for the toy targets; a real target's served dtype, bf16 where native: what its drafters are served).
     `rollouts_only`: stop after the rollouts (returns their files), the long part, before any feature is taken."""
     caches = {split: run_dir / "cache" / split for split in ("val", "train")}
     missing = [split for split, d in caches.items() if not (d / "manifest.json").exists()]
@@ -28,8 +30,8 @@ def prepare(target: str, run_dir: Path, data_dir: Path, cfg: rollouts.RolloutCon
     model_dir = resolve_model(target)
     tokenizer = TextTokenizer.from_dir(model_dir)
     taps = tap_layers or default_tap_layers(ModelConfig.from_dir(model_dir).num_hidden_layers)
-    model = None if rollouts_only else load_model(model_dir, "float32", "cpu", tap_layers=taps)
-    generator = model if rollout_dtype == "float32" and model is not None else load_model(
+    model = None if rollouts_only else load_model(model_dir, feature_dtype, "cpu", tap_layers=taps)
+    generator = model if model is not None and rollout_dtype == feature_dtype else load_model(
         model_dir, rollout_dtype, "cpu", tap_layers=taps)
     run_dir.mkdir(parents=True, exist_ok=True)
     per_domain = {"val": val_per_domain, "train": cfg.prompts_per_domain}

@@ -1,12 +1,13 @@
 """The target cache: what drafter training reads instead of running the target.
 
 Per sequence (prompt + regenerated response): token ids, a loss mask over the response, the target's
-tap features and its final normed hidden state (target logits are recomputed from it with the frozen LM
-head, as DeepSpec does). Arrays are flat over all sequences and memory-mapped; `manifest.json` holds
-offsets, lengths, domains and what produced them.
+tap features, its final normed hidden state (target logits are recomputed from it with the frozen LM
+head, as DeepSpec does) and the log-sum-exp of its logits over the whole vocabulary: a drafter over a draft
+vocabulary recomputes only those rows, and log p_t = logit − lse stays normalised over all V. Arrays are flat
+over all sequences and memory-mapped; `manifest.json` holds offsets, lengths, domains and what produced them.
 
 Files: ids.npy int32 [N], loss_mask.npy uint8 [N], taps.npy bf16-as-uint16 [N, T*d],
-hidden.npy bf16-as-uint16 [N, d], manifest.json.
+hidden.npy bf16-as-uint16 [N, d], lse.npy fp32 [N] (caches of version 1 have none), manifest.json.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class CachedSequence:
     taps: torch.Tensor  # [S, T*d] fp32
     hidden: torch.Tensor  # [S, d] fp32, final normed hidden (target logits = lm_head(hidden))
     domain: str
+    lse: torch.Tensor | None = None  # [S] fp32 log Σ_v exp(logit_v) over the whole vocabulary
 
 
 def _bf16_bits(x: torch.Tensor) -> np.ndarray:
@@ -51,6 +53,7 @@ def build(model: CausalLM, records: list[dict], out_dir: Path, target: str, batc
     mask = np.lib.format.open_memmap(out_dir / "loss_mask.npy", "w+", np.uint8, (total,))
     taps = np.lib.format.open_memmap(out_dir / "taps.npy", "w+", np.uint16, (total, taps_width))
     hidden = np.lib.format.open_memmap(out_dir / "hidden.npy", "w+", np.uint16, (total, d))
+    lse = np.lib.format.open_memmap(out_dir / "lse.npy", "w+", np.float32, (total,))
     order = sorted(range(len(records)), key=lambda i: lengths[i])  # similar lengths share a padded batch
     for start in track(range(0, len(order), batch), description="target cache"):
         group = order[start : start + batch]
@@ -67,9 +70,10 @@ def build(model: CausalLM, records: list[dict], out_dir: Path, target: str, batc
             mask[lo + p : lo + n] = 1
             taps[lo : lo + n] = _bf16_bits(out.features[row, :n].cpu())
             hidden[lo : lo + n] = _bf16_bits(out.hidden[row, :n].cpu())
-    for arr in (ids, mask, taps, hidden):
+            lse[lo : lo + n] = out.logits[row, :n].float().logsumexp(-1).cpu().numpy()
+    for arr in (ids, mask, taps, hidden, lse):
         arr.flush()
-    manifest = {"version": 1, "target": target, "tap_layers": list(model.tap_layers), "hidden_size": d,
+    manifest = {"version": 2, "target": target, "tap_layers": list(model.tap_layers), "hidden_size": d,
                 "sequences": len(records), "tokens": total, "response_tokens": int(sum(len(r["response_ids"])
                                                                                       for r in records)),
                 "offsets": offsets.tolist(), "domains": [r["domain"] for r in records],
@@ -91,6 +95,8 @@ class TargetCache:
         self._mask = np.load(self.dir / "loss_mask.npy", mmap_mode="r")
         self._taps = np.load(self.dir / "taps.npy", mmap_mode="r")
         self._hidden = np.load(self.dir / "hidden.npy", mmap_mode="r")
+        lse = self.dir / "lse.npy"
+        self._lse = np.load(lse, mmap_mode="r") if lse.is_file() else None
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -103,4 +109,5 @@ class TargetCache:
             taps=_from_bits(self._taps[lo:hi]),
             hidden=_from_bits(self._hidden[lo:hi]),
             domain=self.domains[i],
+            lse=None if self._lse is None else torch.from_numpy(np.array(self._lse[lo:hi])),
         )

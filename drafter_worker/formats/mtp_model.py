@@ -87,7 +87,13 @@ class MtpDraftModel(nn.Module):
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self._rope = None
 
-    reduced_vocab = False  # the target's full vocabulary
+    reduced_vocab = False  # the target's full vocabulary: its ids are the target's (`DraftModelBase.to_target`)
+
+    @staticmethod
+    def to_target(ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+    draft_ids = scatter_vocab = to_target
 
     @property
     def feature_width(self) -> int:
