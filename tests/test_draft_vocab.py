@@ -93,16 +93,20 @@ def test_every_method_drafts_inside_its_vocabulary_and_stays_plain_greedy():
         model = _reduced_drafter(target, d2t, method, head)
         assert model.lm_head.weight.shape[0] == len(d2t) and model.shares_head
         assert model.embed_tokens.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()  # shared
-        drafted: list[int] = []
 
         class Spy(Drafter):
+            drafted: list[int]
+
             def propose(self, contexts, gamma, params=None):
                 out = super().propose(contexts, gamma, params)
-                drafted.extend(t for block in out.values() for t in block.tokens)
+                self.drafted.extend(t for block in out.values() for t in block.tokens)
                 return out
 
+        spy = Spy(model)
+        spy.drafted = []
         engine = make_engine(target, num_slots=3, max_batch_tokens=10)
-        spec = LocalRouter(engine, Spy(model), Policy.FIXED, 1 if method == "mtp" else 4).generate(reqs)
+        spec = LocalRouter(engine, spy, Policy.FIXED, 1 if method == "mtp" else 4).generate(reqs)
+        drafted = spy.drafted
         assert [s.token_ids for s in spec] == [p.token_ids for p in plain], f"{method}/{head} diverged"
         assert drafted and set(drafted) <= hot, f"{method}/{head} drafted outside its vocabulary"
         assert sum(s.draft_tokens for s in spec) > 0

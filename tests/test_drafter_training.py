@@ -121,8 +121,8 @@ def test_a_few_training_steps_of_every_method(caches, method):
 def test_the_cached_lse_gives_the_log_softmax_and_a_draft_vocabulary_its_rows(caches):
     """log p_t from the cache's log-sum-exp equals the log-softmax over the whole vocabulary, so a drafter over
     a draft vocabulary trains on the target's own probabilities of its ids (not renormalised over them)."""
-    from training.drafter import make_batch, target_logp
     from training.draft_vocab import frequency_d2t
+    from training.drafter import make_batch, target_logp
 
     target, _, cache, _, _ = caches
     assert cache[0].lse is not None and cache.manifest["version"] == 2
@@ -151,7 +151,7 @@ def test_training_over_a_draft_vocabulary_exports_only_its_own_weights(caches, m
         train(dcfg, target, cache, val, cfg, log=lambda _: None)
     train(dcfg, target, cache, val, cfg, log=lambda _: None, d2t=d2t)
     log = [json.loads(line) for line in (cfg.run_dir / "log.jsonl").read_text().splitlines()]
-    assert all(math.isfinite(r["loss"]) for r in log) and 0 < log[-1]["val"]["expected_accepted"]
+    assert all(math.isfinite(r["loss"]) for r in log) and log[-1]["val"]["expected_accepted"] > 0
     model, _ = load_drafter(cfg.out_dir, target, "float32")
     hot = torch.arange(len(d2t)) + d2t
     assert torch.equal(model.lm_head.weight, target.lm_head.weight[hot])  # the target's rows, not stored

@@ -11,8 +11,9 @@ the contiguous valid prefix of block a. Each term is Σ w·term / Σ w.
   eagle3  soft CE −Σ p_t log p_d (the target distribution as label),            w = 0.8^k
   stand-in (optional, block drafters, `--standin-weight`): Σ_k m·‖h_k − c_k‖² / ‖c_k‖², h_k the backbone's
     state at position anchor + k and c_k the context row the target's features give that position
-1 − ½‖p_d − p_t‖₁ (over the whole vocabulary: ½(Σ|p_d − p_t| + m) over the draft's) is the probability that a draft from p_d survives verification against p_t at T = 1,
-which is why it is both the distillation target (as L1) and the confidence label.
+1 − ½‖p_d − p_t‖₁ (over the whole vocabulary; ½(Σ|p_d − p_t| + m) over the draft's) is the probability that
+a draft from p_d survives verification against p_t at T = 1, which is why it is both the distillation target
+(as L1) and the confidence label.
 """
 
 from __future__ import annotations
