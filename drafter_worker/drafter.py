@@ -248,7 +248,8 @@ class Drafter(StatelessProposer):
     def _sample(self, logits: torch.Tensor, sampling: list[SamplingParams], steer: list[bool] | None,
                 knobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
         """logits [R, Vd] fp32 → next tokens [R] (target ids) and per request (token, q ids [K] and probs [K] or
-        None, peak); rows with `steer` set draw from (and report) the steered q'; `knobs`: `_knobs(sampling)`, made once a block.
+        None, peak); rows with `steer` set draw from (and report) the steered q'; `knobs`: `_knobs(sampling)`, made
+        once a block.
 
         The peak max_v q(v) is taken before the token is drawn: the router's acceptance estimate for
         drafters without a confidence head, which must not depend on the token itself.
