@@ -28,7 +28,7 @@ import httpx
 import psutil
 
 from benchmarks.serve_bench import deployment
-from benchmarks.serve_bench.mixed import Mix, Outcome, draw, request, send
+from benchmarks.serve_bench.mixed import Mix, RequestRecord, draw, request, send
 from benchmarks.serve_bench.runner import host_metadata
 from benchmarks.serve_bench.soak_report import analyse, print_report
 from benchmarks.serve_bench.workloads import load_workload
@@ -78,7 +78,7 @@ class Sampler:
 
 
 async def client(http: httpx.AsyncClient, cfg: SoakConfig, index: int, prompts: list, deadline: float, t0: float,
-                 outcomes: list[Outcome]) -> None:
+                 outcomes: list[RequestRecord]) -> None:
     """One closed-loop client: the next request as soon as the last one ends, until the deadline."""
     rng = random.Random(cfg.seed * 1000 + index)
     n = 0

@@ -1,7 +1,7 @@
 """`RunAhead`: a `Drafter` that drafts the next block while the current one is verified.
 
 The router calls `speculate` once a block is cut to its verify length and sent; the drafter pre-drafts the
-next block for the likeliest outcomes (`predraft.py`, cached in `SpeculationCache`). The next `propose`
+next block for the likeliest outcomes (`predraft.py`, cached in `PredraftCache`). The next `propose`
 answers a request from the cache when its committed tokens show a cached outcome (a hit, `DraftBlock.ahead`)
 and drafts the others as before. In process the two run in turn (the hit rate and the acceptance of cached
 blocks are measured that way); across the tiers the drafter runs `speculate` while the verifier works.
@@ -15,7 +15,7 @@ import torch
 
 from drafter_worker.drafter import Drafter
 from drafter_worker.predraft import predraft
-from drafter_worker.speculation import Speculation, SpeculationCache, Steering
+from drafter_worker.speculation import PredraftCache, Predrafted, Steering
 from services.types import DraftBlock, SamplingParams
 
 
@@ -28,7 +28,7 @@ class RunAhead:
             raise ValueError(f"the speculation budget must be at least 1, got {budget}")
         self.drafter, self.budget = drafter, budget
         drafter.steering = steering
-        self.cache = SpeculationCache()
+        self.cache = PredraftCache()
         self._missed: dict[str, int] = {}  # request → fan-out of its missed speculation, for its fresh block
 
     @property
@@ -89,7 +89,7 @@ class RunAhead:
             survival = block.confidences if block.confidences is not None else block.peaks
             if survival is not None:  # else nothing to estimate the outcome from
                 work[rid] = (tokens, list(block.tokens), survival, params.get(rid, SamplingParams()))
-                self.cache.store(rid, Speculation(len(tokens), list(block.tokens), {}))
+                self.cache.store(rid, Predrafted(len(tokens), list(block.tokens), {}))
                 self.drafter.steered.add(rid)  # it drafts ahead: its drafts from now on are steered
         for piece in predraft(self.drafter, work, gamma, self.budget, chunk):
             for rid, blocks in piece.items():

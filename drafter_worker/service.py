@@ -43,7 +43,7 @@ def model_limits(proposers: dict[str, Proposer]) -> DraftLimits:
 
 
 @dataclass(slots=True)
-class _Session:
+class _DraftSession:
     method: str
     tokens: list[int]  # committed tokens; the last is the anchor
     params: SamplingParams
@@ -72,7 +72,7 @@ class DrafterService(TierLoop):
         self.proposers, self.block_sizes = proposers, block_sizes
         self.limits = limits or model_limits(proposers)
         self.default_method = next(iter(proposers))
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, _DraftSession] = {}
         self._queue: list[_Queued] = []
         self._ahead: list[tuple[str, DraftBlock, int]] = []  # (request, block as sent to verification, γ)
         self.window = AheadWindow()  # the budget of drafting ahead, sized to the verify window
@@ -103,7 +103,7 @@ class DrafterService(TierLoop):
             self._forget(request_id)
             proposer = self.proposers[method]
             proposer.commit(request_id, 0, features)
-            self._sessions[request_id] = _Session(method, list(context_ids), params, cycle, rows)
+            self._sessions[request_id] = _DraftSession(method, list(context_ids), params, cycle, rows)
         return rows
 
     async def draft(self, request_id: str, cycle: int, new_ids: list[int], feature_start: int,
@@ -156,7 +156,8 @@ class DrafterService(TierLoop):
             self._ahead.append((request_id, block, gamma))
         self._wake.set()
 
-    def _without_drafting(self, session: _Session, request_id: str, gamma: int, noticed: bool) -> DraftBlock | None:
+    def _without_drafting(self, session: _DraftSession, request_id: str, gamma: int, noticed: bool
+                          ) -> DraftBlock | None:
         """A hit is answered at once, without the batch window or the compute thread; a miss while the replica is
         saturated (`fallback_queue` drafts waiting) gets an empty block, so the request decodes plainly this
         cycle instead of waiting (SSD's fallback at large batch). None: draft as usual."""
@@ -187,7 +188,7 @@ class DrafterService(TierLoop):
         """γ cut so that every drafted position stays inside the position table (a shorter block is allowed)."""
         return gamma if self.limits.positions is None else min(gamma, self.limits.positions - tokens + 1)
 
-    def _check_delta(self, session: _Session, new_ids, feature_start, features) -> None:
+    def _check_delta(self, session: _DraftSession, new_ids, feature_start, features) -> None:
         self._check_length(len(session.tokens) + len(new_ids))
         rows = 0 if features is None else len(features)
         if rows and feature_start != session.features:

@@ -56,7 +56,7 @@ class Outcome:
 
 
 @dataclass(slots=True)
-class Speculation:
+class Predrafted:
     """What was drafted ahead for one request after one block."""
 
     base: int  # committed tokens when the block was drafted (its anchor is token base − 1)
@@ -64,7 +64,7 @@ class Speculation:
     blocks: dict[Outcome, DraftBlock]  # a pre-drafted next block per guessed outcome
 
 
-def outcome_of(spec: Speculation, tokens: list[int]) -> Outcome | None:
+def outcome_of(spec: Predrafted, tokens: list[int]) -> Outcome | None:
     """The outcome `tokens` (all committed tokens now) show, or None if they do not follow the block."""
     new = tokens[spec.base :]
     accepted = len(new) - 1
@@ -109,14 +109,14 @@ class SpeculationStats:
     fanout: int = 0  # pre-drafted blocks, over all cycles
 
 
-class SpeculationCache:
+class PredraftCache:
     """Per request the speculation of its last block; consumed (hit or miss) by the next draft request."""
 
     def __init__(self) -> None:
-        self._specs: dict[str, Speculation] = {}
+        self._specs: dict[str, Predrafted] = {}
         self.stats = SpeculationStats()
 
-    def store(self, request_id: str, spec: Speculation) -> None:
+    def store(self, request_id: str, spec: Predrafted) -> None:
         self._specs[request_id] = spec
         self.stats.fanout += len(spec.blocks)
 

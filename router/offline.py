@@ -1,5 +1,5 @@
 """In-process router: sessions and the cycle loop (draft → schedule → verify → commit) over one
-`Engine` and one optional `Proposer`, batching every active request into each engine step."""
+`LocalEngine` and one optional `Proposer`, batching every active request into each engine step."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from services.errors import CapacityError
 from services.types import DraftBlock, FinishReason, OutcomeKind, Proposer, SamplingParams, StepOutput, TokenLogprobs
 
 
-class Engine(Protocol):
-    """What the in-process router needs of the verifier's engine (`verifier_worker.engine.Engine` is one): it is
+class LocalEngine(Protocol):
+    """What the in-process router needs of the verifier's engine (`verifier_worker.engine.LocalEngine` is one): it is
     handed an engine by its caller (training, evaluation, `dspark generate`) and never imports a worker."""
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None: ...
@@ -70,7 +70,7 @@ class GenerationResult:
 
 
 @dataclass(slots=True)
-class _Session:
+class _LocalSession:
     request: GenerationRequest
     queued: float  # when `generate` was called
     scheduled: float | None = None  # start of the first engine step that served it
@@ -103,7 +103,7 @@ CycleObserver = Callable[[str, DraftBlock | None, StepOutput], None]
 
 
 class LocalRouter:
-    def __init__(self, engine: Engine, proposer: Proposer | None = None, policy: Policy = Policy.NONE,
+    def __init__(self, engine: LocalEngine, proposer: Proposer | None = None, policy: Policy = Policy.NONE,
                  gamma: int = 4, observer: CycleObserver | None = None, sps: list[tuple[int, float]] | None = None):
         """`sps`: the engine's SPS profile, (batch tokens, step ms) points, which policy dspark plans against
         (verifier_worker/profile.py: `profile_sps`); without one it trims at the planner's λ. The load it
@@ -159,10 +159,10 @@ class LocalRouter:
             except CapacityError:
                 return  # retried after running requests finish
             queue.popleft()
-            sessions[req.request_id] = _Session(req, called)
+            sessions[req.request_id] = _LocalSession(req, called)
             self.planner.join(req.request_id)
 
-    def _submit_cycles(self, sessions: dict[str, _Session]) -> None:
+    def _submit_cycles(self, sessions: dict[str, _LocalSession]) -> None:
         started = time.perf_counter()
         ready = {rid: s for rid, s in sessions.items() if s.output and not s.in_flight}
         bounds = {rid: max_verify_len(self.policy, self.gamma, s.remaining) for rid, s in ready.items()}
@@ -184,7 +184,7 @@ class LocalRouter:
         if speculate is not None and sent:
             speculate(sent, self.gamma, params)
 
-    def _observe(self, session: _Session, out: StepOutput, step_s: float) -> None:
+    def _observe(self, session: _LocalSession, out: StepOutput, step_s: float) -> None:
         """What the cycle teaches the planner: its step's time, its whole time, its outcome."""
         self.planner.observe(CycleRecord(out.request_id, self.policy, "", session.request.params.greedy,
                                          session.decision, out.num_drafts, out.num_accepted, step_s,
@@ -192,7 +192,7 @@ class LocalRouter:
                                          bool(session.block and session.block.ahead)))
 
     @staticmethod
-    def _commit(session: _Session, out: StepOutput) -> list[int]:
+    def _commit(session: _LocalSession, out: StepOutput) -> list[int]:
         if out.prompt_logprobs is not None:
             session.prompt_logprobs = session.prompt_logprobs or TokenLogprobs()
             session.prompt_logprobs.extend(out.prompt_logprobs)
@@ -224,11 +224,11 @@ class LocalRouter:
         return new
 
     @staticmethod
-    def _finish_reason(session: _Session) -> FinishReason | None:
+    def _finish_reason(session: _LocalSession) -> FinishReason | None:
         req = session.request
         return finish_reason(session.output, req.params.max_tokens, req.stop_token_ids)
 
-    def _close(self, session: _Session, finish: FinishReason) -> GenerationResult:
+    def _close(self, session: _LocalSession, finish: FinishReason) -> GenerationResult:
         rid = session.request.request_id
         self.engine.release(rid)
         self.planner.leave(rid)

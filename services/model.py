@@ -18,7 +18,7 @@ from services.rope import RotaryTable
 
 @dataclass(slots=True)
 class ForwardOutput:
-    logits: torch.Tensor  # [M, V] fp32, for the requested rows only
+    logits: torch.Tensor | None  # [M, V] fp32, for the requested rows only
     features: torch.Tensor | None  # [N, num_taps * d] hidden states after the tap layers, model dtype
     hidden: torch.Tensor | None = None  # [B, T, d] final normed hidden state (forward_dense only)
 
@@ -78,7 +78,7 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [..., d]
         return x if self.config.gemma is None else scale_embeddings(x, self.config.hidden_size)
 
-    def _head(self, h: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(h)  # [..., V] model dtype
         return logits if self.config.gemma is None else softcap(logits, self.config.gemma.final_logit_softcapping)
 
@@ -149,7 +149,7 @@ class CausalLM(nn.Module):
             h = taps[-1][logit_rows]
         else:
             h = self.model.norm(x[logit_rows])  # [M, d]
-        logits = self._head(h).float()  # [M, V]
+        logits = self.head_logits(h).float()  # [M, V]
         features = torch.cat(taps, dim=-1) if taps else None  # [N, T*d]
         return logits, features
 
@@ -163,9 +163,10 @@ class CausalLM(nn.Module):
         pack_linears(self)
         self.fused = fused_decoder.serves(self)
 
-    def forward_dense(self, input_ids: torch.Tensor) -> ForwardOutput:
+    def forward_dense(self, input_ids: torch.Tensor, head: bool = True) -> ForwardOutput:
         """Whole sequences without a cache, input_ids [B, T] → logits [B, T, V] (model dtype, or the autocast
-        dtype) and features [B, T, num_taps * d]: for training and for extracting target features."""
+        dtype; None with `head` off) and features [B, T, num_taps * d]: for training and for extracting target
+        features."""
         x = self._embed(input_ids)  # [B, T, d]
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         inputs = self._layer_inputs(positions, x.dtype, None)  # cos, sin [T, 1, Dh] and a [T, T] mask or None
@@ -177,5 +178,5 @@ class CausalLM(nn.Module):
         hidden = self.model.norm(x)  # [B, T, d]
         if self.final_tap:
             taps.append(hidden)
-        return ForwardOutput(logits=self._head(hidden), features=torch.cat(taps, dim=-1) if taps else None,
-                             hidden=hidden)
+        return ForwardOutput(logits=self.head_logits(hidden) if head else None,
+                             features=torch.cat(taps, dim=-1) if taps else None, hidden=hidden)

@@ -99,6 +99,30 @@ def test_target_cache_round_trip(caches):
     assert cache.tap_layers == TAPS and len(cache) == 6
 
 
+def test_a_cut_cache_build_resumes_at_its_first_missing_shard(caches, tmp_path):
+    import shutil
+
+    target, records, whole, _, _ = caches
+    out = tmp_path / "sharded"
+    target_cache.build(target, records[:5], out, target="tiny", batch=2, shard_sequences=2)  # shards of 2, 2, 1
+    assert json.loads((out / "manifest.json").read_text())["shards"] == ["shard-000", "shard-001", "shard-002"]
+    kept = (out / "shard-000" / "taps.npy").stat().st_mtime_ns
+    shutil.rmtree(out / "shard-001")  # cut while building shard 1 (its .partial never renamed)
+    (out / "shard-001.partial").mkdir()
+    target_cache.build(target, records, out, target="tiny", batch=2, shard_sequences=2)  # and a record more
+    assert (out / "shard-000" / "taps.npy").stat().st_mtime_ns == kept  # a complete shard is not rebuilt
+    assert not (out / "shard-001.partial").exists()
+    cache = target_cache.TargetCache(out)
+    assert len(cache) == len(whole) == 6 and cache.domains == whole.domains
+    for i in (1, 2, 5):  # across shards, the same sequences as the flat build of the fixture
+        a, b = cache[i], whole[i]
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.loss_mask, b.loss_mask)
+        torch.testing.assert_close(a.taps, b.taps, atol=0.05, rtol=0)  # bf16; other batches, other padding
+        response = a.loss_mask
+        torch.testing.assert_close(a.lse[response], b.lse[response], atol=1e-3, rtol=0)
+        assert bool(a.lse[~response].isnan().all())  # prompt rows have no target distribution stored
+
+
 @pytest.mark.parametrize("method", ["mtp", "eagle3", "dflash", "dspark"])
 def test_a_few_training_steps_of_every_method(caches, method):
     target, _, cache, val, root = caches

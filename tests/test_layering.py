@@ -108,3 +108,22 @@ def test_a_drafter_replica_loads_only_the_drafter_tier():
     tops = {m.split(".")[0] for m in loaded}
     assert tops == {"cluster", "drafter_worker", "protos", "services", "verifier_worker"}
     assert [m for m in loaded if m.startswith("verifier_worker.")] == ["verifier_worker.settings"]
+
+
+def class_definitions(root: Path = ROOT) -> dict[str, list[str]]:
+    """Class name → where it is defined, over the project's packages (generated gRPC/protobuf code aside: its
+    servicer bases share their names with the servicers that implement them)."""
+    found: dict[str, list[str]] = {}
+    for package in ALLOWED:
+        for path in sorted((root / package).rglob("*.py")):
+            if "_pb2" in path.name:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ClassDef):
+                    found.setdefault(node.name, []).append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_one_definition_per_class_name():
+    """One name per idea: a class name means one thing in the whole project."""
+    assert {name: where for name, where in class_definitions().items() if len(where) > 1} == {}

@@ -11,7 +11,7 @@ from drafter_worker.ahead import RunAhead
 from drafter_worker.ahead_window import AheadWindow
 from drafter_worker.drafter import Drafter, _knobs
 from drafter_worker.service import DrafterService
-from drafter_worker.speculation import Outcome, Speculation, SpeculationCache, Steering, likely_outcomes, outcome_of
+from drafter_worker.speculation import Outcome, PredraftCache, Predrafted, Steering, likely_outcomes, outcome_of
 from router.offline import GenerationRequest, LocalRouter
 from router.scheduling.policy import Policy
 from services.types import DraftBlock, SamplingParams
@@ -22,7 +22,7 @@ from tests.test_engine_distribution import PARAMS, PROMPT, VOCAB, _marginals, _p
 
 
 def test_the_outcome_is_read_from_the_committed_tokens():
-    spec = Speculation(base=3, drafts=[7, 8, 9], blocks={})
+    spec = Predrafted(base=3, drafts=[7, 8, 9], blocks={})
     assert outcome_of(spec, [1, 2, 3, 7, 8, 4]) == Outcome(2, 4)  # x1, x2 accepted, 4 recovered
     assert outcome_of(spec, [1, 2, 3, 5]) == Outcome(0, 5)
     assert outcome_of(spec, [1, 2, 3, 7, 8, 9, 6]) == Outcome(3, 6)  # all accepted, 6 the bonus
@@ -41,13 +41,13 @@ def test_likely_outcomes_weigh_positions_by_survival_and_drop_the_rejected_draft
 
 
 def test_the_cache_is_consumed_by_the_next_request():
-    cache = SpeculationCache()
+    cache = PredraftCache()
     block = DraftBlock(tokens=[4, 4], ahead=True)
-    cache.store("r", Speculation(2, [9], {Outcome(0, 5): block}))
+    cache.store("r", Predrafted(2, [9], {Outcome(0, 5): block}))
     assert cache.fanout("r") == 1 and cache.fanout("other") == 0
     assert cache.take("r", [1, 2, 5]) is block and cache.stats.hits == 1 and cache.fanout("r") == 0
     assert cache.take("r", [1, 2, 5]) is None and cache.stats.misses == 0  # nothing stored: not a miss
-    cache.store("r", Speculation(2, [9], {Outcome(0, 5): block}))
+    cache.store("r", Predrafted(2, [9], {Outcome(0, 5): block}))
     assert cache.take("r", [1, 2, 9, 3]) is None and cache.stats.misses == 1
     assert cache.stats.fanout == 2
 

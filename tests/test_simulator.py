@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.simulator import Arm, Cluster, CostModel, DraftCost, Simulation, StepProfile, Workload, simulate
+from benchmarks.simulator import Arm, Cluster, CostModel, DraftCost, Simulation, SimWorkload, StepProfile, simulate
 from benchmarks.simulator.calibrate import calibrate, load_results
 from benchmarks.simulator.policies import OWN_LOAD, SimBudget
 from benchmarks.simulator.studies import validate
@@ -32,7 +32,7 @@ def fixed(accept: float, gamma: int = 3) -> Arm:
 def test_full_acceptance_matches_closed_form():
     gamma, cycles = 3, 4
     output = 1 + cycles * (gamma + 1)  # the prefill's token, then γ + 1 per cycle
-    r = simulate(fixed(1.0, gamma), flat_cost(), Cluster(1, 1), Workload(8, output, clients=1, requests=1))
+    r = simulate(fixed(1.0, gamma), flat_cost(), Cluster(1, 1), SimWorkload(8, output, clients=1, requests=1))
     assert r.tau == gamma + 1
     assert r.mean_verify_len == gamma
     assert r.output_throughput == pytest.approx(output / ((1 + cycles) * STEP_S))
@@ -41,13 +41,13 @@ def test_full_acceptance_matches_closed_form():
 
 
 def test_zero_acceptance_emits_one_token_per_cycle():
-    r = simulate(fixed(0.0), flat_cost(), Cluster(1, 1), Workload(8, 20, clients=1, requests=3))
+    r = simulate(fixed(0.0), flat_cost(), Cluster(1, 1), SimWorkload(8, 20, clients=1, requests=3))
     assert r.tau == 1.0
     assert r.per_user_tok_s_median == pytest.approx(1 / STEP_S)
 
 
 def test_none_never_drafts():
-    sim = Simulation(Arm("none", "none"), flat_cost(0.005), Cluster(1, 1), Workload(8, 20, clients=4, requests=8))
+    sim = Simulation(Arm("none", "none"), flat_cost(0.005), Cluster(1, 1), SimWorkload(8, 20, clients=4, requests=8))
     r = sim.run()
     assert r.draft_fraction == 0.0 and r.mean_verify_len == 0.0 and r.tau == 1.0
     assert not sim.drafters[0].sessions
@@ -55,7 +55,7 @@ def test_none_never_drafts():
 
 def test_dspark_decodes_plainly_when_drafting_does_not_pay():
     arm = Arm("dspark", "dspark", "default", 4, (0.6,) * 4)
-    r = simulate(arm, flat_cost(draft_s=0.5), Cluster(1, 1), Workload(8, 64, clients=2, requests=4))
+    r = simulate(arm, flat_cost(draft_s=0.5), Cluster(1, 1), SimWorkload(8, 64, clients=2, requests=4))
     assert r.mean_budget == 0.0  # K* = 0 in every plan once the cost is measured
     assert r.draft_fraction < 0.15  # only the first blocks and the probes draft
     def budget(draft_extra_s: float) -> SimBudget:
@@ -69,15 +69,15 @@ def test_dspark_decodes_plainly_when_drafting_does_not_pay():
 
 def test_throughput_scales_with_verifiers_under_proportional_load():
     arm, cost = fixed(0.7), flat_cost(0.002)
-    one = simulate(arm, cost, Cluster(1, 1), Workload(8, 32, clients=8, requests=24))
-    four = simulate(arm, cost, Cluster(4, 4), Workload(8, 32, clients=32, requests=96))
+    one = simulate(arm, cost, Cluster(1, 1), SimWorkload(8, 32, clients=8, requests=24))
+    four = simulate(arm, cost, Cluster(4, 4), SimWorkload(8, 32, clients=32, requests=96))
     assert four.output_throughput / one.output_throughput == pytest.approx(4.0, rel=0.1)
     assert four.per_user_tok_s_median == pytest.approx(one.per_user_tok_s_median, rel=0.1)
 
 
 def test_deterministic_with_a_seed():
     arm = Arm("dspark", "dspark", "default", 5, (0.7, 0.6, 0.5))
-    work, cost = Workload(16, 40, clients=6, requests=18, stagger_s=0.05), flat_cost(0.003)
+    work, cost = SimWorkload(16, 40, clients=6, requests=18, stagger_s=0.05), flat_cost(0.003)
     runs = [dataclasses.replace(simulate(arm, cost, Cluster(2, 1), work, seed=7), wall_s=0.0) for _ in range(2)]
     assert runs[0] == runs[1]
     other = dataclasses.replace(simulate(arm, cost, Cluster(2, 1), work, seed=8), wall_s=0.0)
@@ -87,7 +87,7 @@ def test_deterministic_with_a_seed():
 def test_a_cache_hit_takes_the_draft_off_the_critical_path():
     gamma, cycles = 3, 5
     output = 1 + cycles * (gamma + 1)
-    work = Workload(8, output, clients=1, requests=1)
+    work = SimWorkload(8, output, clients=1, requests=1)
     cached = dataclasses.replace(fixed(1.0, gamma), ahead_hit=1.0, ahead_budget=1)
     r = simulate(cached, flat_cost(draft_s=0.005), Cluster(1, 1), work)
     # the first block is drafted afresh (5 ms); each later one was drafted during the 10 ms verify before it
@@ -99,7 +99,7 @@ def test_a_cache_hit_takes_the_draft_off_the_critical_path():
 
 
 def test_pre_drafting_that_outlasts_the_verify_never_hits_and_delays_a_draft_by_one_step_at_most():
-    work = Workload(8, 21, clients=1, requests=1)
+    work = SimWorkload(8, 21, clients=1, requests=1)
     slow = dataclasses.replace(fixed(1.0), ahead_hit=1.0, ahead_budget=3)  # 3 × 5 ms > the 10 ms verify
     r = simulate(slow, flat_cost(draft_s=0.005), Cluster(1, 1), work)
     base = simulate(fixed(1.0), flat_cost(draft_s=0.005), Cluster(1, 1), work)
@@ -111,7 +111,7 @@ def test_pre_drafting_that_outlasts_the_verify_never_hits_and_delays_a_draft_by_
 
 def test_the_scheduler_drafts_again_when_the_cache_answers():
     arm = Arm("dspark", "dspark", "default", 4, (0.6,) * 4)
-    work = Workload(8, 200, clients=1, requests=2)
+    work = SimWorkload(8, 200, clients=1, requests=2)
     without = simulate(arm, flat_cost(draft_s=0.009), Cluster(1, 1), work)  # a 9 ms draft does not pay
     cached = simulate(dataclasses.replace(arm, ahead_hit=0.9, ahead_budget=1), flat_cost(draft_s=0.009),
                       Cluster(1, 1), work)
@@ -173,7 +173,7 @@ def test_gpu_example_profile_is_marked_illustrative():
 def test_plain_runs_hide_the_round_trip_and_a_dspark_request_that_does_not_draft_joins_them():
     """With a 5 ms round trip per exchange, a plain run replying every 4 steps decodes at nearly one step a token;
     one exchange a token costs step + round trip. dspark with drafting too dear hands off to the same runs."""
-    work = Workload(8, 65, clients=1, requests=3)
+    work = SimWorkload(8, 65, clients=1, requests=3)
     slow_hop = dict(hop_s=0.0025)
     exchange = simulate(Arm("none", "none"), flat_cost(**slow_hop), Cluster(1, 1), work)
     runs = simulate(Arm("none", "none"), flat_cost(plain_run=4, **slow_hop), Cluster(1, 1), work)

@@ -7,12 +7,14 @@ vocabulary recomputes only those rows, and log p_t = logit − lse stays normali
 over all sequences and memory-mapped; `manifest.json` holds offsets, lengths, domains and what produced them.
 
 Files: ids.npy int32 [N], loss_mask.npy uint8 [N], taps.npy bf16-as-uint16 [N, T*d],
-hidden.npy bf16-as-uint16 [N, d], lse.npy fp32 [N] (caches of version 1 have none), manifest.json.
+hidden.npy bf16-as-uint16 [N, d], lse.npy fp32 [N] (NaN on prompt rows; caches of version 1 have none),
+manifest.json — per shard of `SHARD_SEQUENCES` sequences (`shard-NNN/`), the cache's manifest listing them.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,11 +43,44 @@ def _from_bits(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(a).view(np.int16)).view(torch.bfloat16).float()
 
 
+SHARD_SEQUENCES = 1000  # sequences per shard: the unit a cut build resumes from
+
+
 @torch.no_grad()
-def build(model: CausalLM, records: list[dict], out_dir: Path, target: str, batch: int = 8) -> dict:
-    """Run the target over every (prompt, response) record and write the cache to `out_dir`."""
+def build(model: CausalLM, records: list[dict], out_dir: Path, target: str, batch: int = 8,
+          shard_sequences: int = SHARD_SEQUENCES) -> dict:
+    """Run the target over every (prompt, response) record and write the cache to `out_dir`: shards of
+    `shard_sequences` records in the rollouts' order, each written to `.partial` and renamed, so a cut build
+    resumes at its first missing shard (a shard is kept only while it holds the same records); the manifest,
+    last, lists them."""
     out_dir.mkdir(parents=True, exist_ok=True)
     records = [r for r in records if len(r["response_ids"]) >= 2]
+    shards = []
+    for number, first in enumerate(range(0, len(records), shard_sequences)):
+        part, shard = records[first : first + shard_sequences], out_dir / f"shard-{number:03d}"
+        if not _holds(shard, part):
+            partial = shard.with_name(shard.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            _build_shard(model, part, partial, target, batch)
+            shutil.rmtree(shard, ignore_errors=True)
+            partial.rename(shard)
+        shards.append(json.loads((shard / "manifest.json").read_text()))
+    manifest = {"version": 2, "target": target, "tap_layers": list(model.tap_layers),
+                "hidden_size": model.config.hidden_size, "sequences": len(records),
+                "tokens": sum(m["tokens"] for m in shards),
+                "response_tokens": sum(m["response_tokens"] for m in shards),
+                "shards": [f"shard-{n:03d}" for n in range(len(shards))]}
+    (out_dir / "manifest.json").write_text(json.dumps(manifest) + "\n")
+    return manifest
+
+
+def _holds(shard: Path, part: list[dict]) -> bool:
+    path = shard / "manifest.json"
+    return path.is_file() and json.loads(path.read_text())["ids"] == [r["id"] for r in part]
+
+
+def _build_shard(model: CausalLM, records: list[dict], out_dir: Path, target: str, batch: int) -> None:
+    out_dir.mkdir(parents=True)
     lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in records]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     total, d, taps_width = int(offsets[-1]), model.config.hidden_size, model.config.hidden_size * len(model.tap_layers)
@@ -55,14 +90,14 @@ def build(model: CausalLM, records: list[dict], out_dir: Path, target: str, batc
     hidden = np.lib.format.open_memmap(out_dir / "hidden.npy", "w+", np.uint16, (total, d))
     lse = np.lib.format.open_memmap(out_dir / "lse.npy", "w+", np.float32, (total,))
     order = sorted(range(len(records)), key=lambda i: lengths[i])  # similar lengths share a padded batch
-    for start in track(range(0, len(order), batch), description="target cache"):
+    for start in track(range(0, len(order), batch), description=f"target cache {out_dir.name}"):
         group = order[start : start + batch]
         width = max(lengths[i] for i in group)
         tokens = torch.zeros(len(group), width, dtype=torch.long)
         for row, i in enumerate(group):
             seq = records[i]["prompt_ids"] + records[i]["response_ids"]
             tokens[row, : len(seq)] = torch.tensor(seq)
-        out = model.forward_dense(tokens.to(model.device))  # causal: right padding never reaches real rows
+        out = model.forward_dense(tokens.to(model.device), head=False)  # causal: right padding never reaches real rows
         for row, i in enumerate(group):
             lo, n, p = int(offsets[i]), lengths[i], len(records[i]["prompt_ids"])
             ids[lo : lo + n] = tokens[row, :n].numpy()
@@ -70,32 +105,57 @@ def build(model: CausalLM, records: list[dict], out_dir: Path, target: str, batc
             mask[lo + p : lo + n] = 1
             taps[lo : lo + n] = _bf16_bits(out.features[row, :n].cpu())
             hidden[lo : lo + n] = _bf16_bits(out.hidden[row, :n].cpu())
-            lse[lo : lo + n] = out.logits[row, :n].float().logsumexp(-1).cpu().numpy()
+            lse[lo : lo + n] = np.nan  # prompt rows: no training row reads their target distribution
+            lse[lo + p : lo + n] = _log_sum_exp(model, out.hidden[row, p:n])
     for arr in (ids, mask, taps, hidden, lse):
         arr.flush()
     manifest = {"version": 2, "target": target, "tap_layers": list(model.tap_layers), "hidden_size": d,
-                "sequences": len(records), "tokens": total, "response_tokens": int(sum(len(r["response_ids"])
-                                                                                      for r in records)),
+                "sequences": len(records), "tokens": total,
+                "response_tokens": int(sum(len(r["response_ids"]) for r in records)),
                 "offsets": offsets.tolist(), "domains": [r["domain"] for r in records],
                 "ids": [r["id"] for r in records]}
     (out_dir / "manifest.json").write_text(json.dumps(manifest) + "\n")
-    return manifest
+
+
+def _log_sum_exp(model: CausalLM, hidden: torch.Tensor) -> np.ndarray:
+    """hidden [n, d] → log Σ_v exp(logit_v) [n] over the whole vocabulary, the head run 64 rows at a time (an
+    fp32 copy of 262,144 logits a row is 1 MiB)."""
+    out = [model.head_logits(hidden[i : i + 64]).float().logsumexp(-1) for i in range(0, len(hidden), 64)]
+    return torch.cat(out).cpu().numpy() if out else np.zeros(0, np.float32)
 
 
 class TargetCache:
-    """Read side: memory-mapped arrays, one `CachedSequence` per index."""
+    """Read side: memory-mapped arrays, one `CachedSequence` per index, over a cache's shards (or the one flat
+    directory of caches built before shards)."""
 
     def __init__(self, cache_dir: Path):
         self.dir = Path(cache_dir)
         self.manifest = json.loads((self.dir / "manifest.json").read_text())
-        self.offsets = self.manifest["offsets"]
-        self.domains = self.manifest["domains"]
         self.tap_layers = tuple(self.manifest["tap_layers"])
-        self._ids = np.load(self.dir / "ids.npy", mmap_mode="r")
-        self._mask = np.load(self.dir / "loss_mask.npy", mmap_mode="r")
-        self._taps = np.load(self.dir / "taps.npy", mmap_mode="r")
-        self._hidden = np.load(self.dir / "hidden.npy", mmap_mode="r")
-        lse = self.dir / "lse.npy"
+        parts = [self.dir / name for name in self.manifest["shards"]] if "shards" in self.manifest else [self.dir]
+        self._parts = [_Part(p) for p in parts]
+        self._index = [(n, i) for n, part in enumerate(self._parts) for i in range(len(part))]
+        self.domains = [d for part in self._parts for d in part.domains]
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, i: int) -> CachedSequence:
+        part, local = self._index[i]
+        return self._parts[part][local]
+
+
+class _Part:
+    """One directory of flat arrays (a shard)."""
+
+    def __init__(self, directory: Path):
+        manifest = json.loads((directory / "manifest.json").read_text())
+        self.offsets, self.domains = manifest["offsets"], manifest["domains"]
+        self._ids = np.load(directory / "ids.npy", mmap_mode="r")
+        self._mask = np.load(directory / "loss_mask.npy", mmap_mode="r")
+        self._taps = np.load(directory / "taps.npy", mmap_mode="r")
+        self._hidden = np.load(directory / "hidden.npy", mmap_mode="r")
+        lse = directory / "lse.npy"
         self._lse = np.load(lse, mmap_mode="r") if lse.is_file() else None
 
     def __len__(self) -> int:

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class _Session:
+class _VerifySession:
     cycle: int = 0
     lease: Lease = field(default_factory=Lease)  # Verify streams attached; freed once none has for lease_s
     prefilled: bool = False
@@ -58,7 +58,7 @@ class VerifierService(TierLoop):
     def __init__(self, engine: Engine, model_name: str = "", lease_s: float = 60.0, batch_window_s: float = 0.005):
         super().__init__(lease_s, batch_window_s)
         self.engine, self.model_name = engine, model_name
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, _VerifySession] = {}
 
     # ---- session calls ------------------------------------------------------------------------
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -72,7 +72,7 @@ class VerifierService(TierLoop):
             if request_id in self._sessions:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             self.engine.add_request(request_id, prompt_ids, params, resume_ids or (), share_prefix_of)
-            session = self._sessions[request_id] = _Session()
+            session = self._sessions[request_id] = _VerifySession()
             if plain is not None:
                 session.ahead = PlainAhead(plain, params)
             session.waiter = asyncio.get_running_loop().create_future()
@@ -227,7 +227,7 @@ class VerifierService(TierLoop):
             return
         self._resolve(session, out)
 
-    def _deliver_ahead(self, out: StepOutput, session: _Session) -> None:
+    def _deliver_ahead(self, out: StepOutput, session: _VerifySession) -> None:
         """The prefill's first token goes to its caller, and the run's first step is queued; a plain step (absorbed
         in the compute thread) answers the verify call waiting once a reply is due."""
         ahead = session.ahead
@@ -238,7 +238,7 @@ class VerifierService(TierLoop):
         elif session.waiter is not None and ahead.ready():
             self._resolve(session, ahead.take())
 
-    def _queue_ahead(self, request_id: str, session: _Session) -> None:
+    def _queue_ahead(self, request_id: str, session: _VerifySession) -> None:
         if not session.ahead.wants_step() or not self.engine.is_ready(request_id):
             return
         try:
@@ -247,12 +247,12 @@ class VerifierService(TierLoop):
             session.ahead.ended = True
 
     @staticmethod
-    def _resolve(session: _Session, out: StepOutput) -> None:
+    def _resolve(session: _VerifySession, out: StepOutput) -> None:
         waiter, session.waiter = session.waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_result(out)
 
-    def _expired(self, session: _Session, now: float) -> bool:
+    def _expired(self, session: _VerifySession, now: float) -> bool:
         """Prefilled but never attached, or left between two streams (a request mid-cycle is not freed)."""
         return session.waiter is None and session.lease.expired(self.lease_s, now)
 

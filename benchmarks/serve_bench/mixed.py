@@ -2,7 +2,7 @@
 
 A request is completions or chat, streamed or not, greedy or sampled (T = 1, seeded), short or long, with one of
 the bench arms as its `speculative` option; a few are clients that hang up mid-stream, and a few are deliberately
-bad (they must get an OpenAI-shaped 400). Every request ends as one `Outcome` whose `error` is empty when the
+bad (they must get an OpenAI-shaped 400). Every request ends as one `RequestRecord` whose `error` is empty when the
 server behaved, else one of:
   unexpected_status  a status other than 200 (400 for a bad request);
   transport          the connection failed or timed out;
@@ -56,7 +56,7 @@ class Shape:
 
 
 @dataclass(slots=True)
-class Outcome:
+class RequestRecord:
     shape: Shape
     sent_at_s: float  # since the run started
     status: int = 0
@@ -127,9 +127,9 @@ def finish_error(shape: Shape, finish: str | None, tokens: int) -> str:
     return ""
 
 
-async def send(http: httpx.AsyncClient, shape: Shape, path: str, body: dict | bytes, t0: float) -> Outcome:
+async def send(http: httpx.AsyncClient, shape: Shape, path: str, body: dict | bytes, t0: float) -> RequestRecord:
     """Send one request and check what comes back; never raises for what the server or network does."""
-    out = Outcome(shape, time.perf_counter() - t0)
+    out = RequestRecord(shape, time.perf_counter() - t0)
     sent = time.perf_counter()
     content = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) \
         else {"json": body}
@@ -145,7 +145,7 @@ async def send(http: httpx.AsyncClient, shape: Shape, path: str, body: dict | by
     return out
 
 
-async def _unary(http: httpx.AsyncClient, path: str, content: dict, out: Outcome, sent: float) -> None:
+async def _unary(http: httpx.AsyncClient, path: str, content: dict, out: RequestRecord, sent: float) -> None:
     r = await http.post(path, **content)
     out.status, out.e2el_s = r.status_code, time.perf_counter() - sent
     expected = 400 if out.shape.kind == "bad" else 200
@@ -161,7 +161,7 @@ async def _unary(http: httpx.AsyncClient, path: str, content: dict, out: Outcome
     _check_finish(out)
 
 
-async def _streamed(http: httpx.AsyncClient, path: str, content: dict, out: Outcome, sent: float) -> None:
+async def _streamed(http: httpx.AsyncClient, path: str, content: dict, out: RequestRecord, sent: float) -> None:
     async with http.stream("POST", path, **content) as r:
         out.status = r.status_code
         if r.status_code != 200:
@@ -178,7 +178,7 @@ async def _streamed(http: httpx.AsyncClient, path: str, content: dict, out: Outc
     _check_finish(out)
 
 
-async def _read_events(r: httpx.Response, out: Outcome) -> bool:
+async def _read_events(r: httpx.Response, out: RequestRecord) -> bool:
     """Consume SSE events into `out` → whether `[DONE]` arrived; stops early to hang up or on an error event."""
     async for line in r.aiter_lines():
         if not line.startswith("data: "):
@@ -200,7 +200,7 @@ async def _read_events(r: httpx.Response, out: Outcome) -> bool:
     return False
 
 
-def _check_finish(out: Outcome) -> None:
+def _check_finish(out: RequestRecord) -> None:
     detail = finish_error(out.shape, out.finish, out.output_tokens)
     if detail:
         out.error, out.detail = "wrong_finish", detail

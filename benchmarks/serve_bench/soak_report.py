@@ -16,10 +16,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.serve_bench.mixed import ERROR_KINDS, Outcome
+from benchmarks.serve_bench.mixed import ERROR_KINDS, RequestRecord
 
 
-def analyse(cfg, load_s: float, outcomes: list[Outcome], samples: list[dict], labels: dict[int, str],
+def analyse(cfg, load_s: float, outcomes: list[RequestRecord], samples: list[dict], labels: dict[int, str],
             leaks: dict) -> dict:
     """`load_s` runs until the last request ended, past `cfg.duration_s` (when the last ones were sent)."""
     warmup_s = warmup(cfg.duration_s)
@@ -60,14 +60,14 @@ def slope_per_min(points: list[tuple[float, float]]) -> float | None:
     return float(np.polyfit(t, mb, 1)[0] * 60.0)
 
 
-def error_counts(outcomes: list[Outcome]) -> dict:
+def error_counts(outcomes: list[RequestRecord]) -> dict:
     """Requests the server got wrong, by kind, with a few examples of each."""
     kinds = Counter(o.error for o in outcomes if o.error)
     examples = {k: [f"{describe(o)}: {o.detail}" for o in outcomes if o.error == k][:3] for k in kinds}
     return {"total": sum(kinds.values()), **{k: kinds.get(k, 0) for k in ERROR_KINDS}, "examples": examples}
 
 
-def describe(o: Outcome) -> str:
+def describe(o: RequestRecord) -> str:
     s = o.shape
     if s.kind == "bad":
         return f"bad request {s.bad} at {o.sent_at_s:.1f} s"
@@ -75,7 +75,7 @@ def describe(o: Outcome) -> str:
             f"{' ignore_eos' if s.ignore_eos else ''} at {o.sent_at_s:.1f} s")
 
 
-def request_counts(outcomes: list[Outcome]) -> dict:
+def request_counts(outcomes: list[RequestRecord]) -> dict:
     shapes = [o.shape for o in outcomes]
     return {"sent": len(outcomes), "completed": sum(o.completed for o in outcomes),
             "completion": sum(s.kind == "completion" for s in shapes), "chat": sum(s.kind == "chat" for s in shapes),
@@ -86,7 +86,7 @@ def request_counts(outcomes: list[Outcome]) -> dict:
             "by_arm": dict(Counter(s.arm for s in shapes if s.kind != "bad"))}
 
 
-def latencies(outcomes: list[Outcome]) -> dict[str, list[float]]:
+def latencies(outcomes: list[RequestRecord]) -> dict[str, list[float]]:
     """Seconds per metric over completed requests: E2EL for all, TTFT and TPOT for streamed ones."""
     done = [o for o in outcomes if o.completed]
     streamed = [o for o in done if o.shape.stream and o.ttft_s is not None]
@@ -94,7 +94,7 @@ def latencies(outcomes: list[Outcome]) -> dict[str, list[float]]:
             "tpot": [(o.e2el_s - o.ttft_s) / (o.output_tokens - 1) for o in streamed if o.output_tokens > 1]}
 
 
-def drift(outcomes: list[Outcome], duration_s: float, warmup_s: float, window_fraction: float) -> dict:
+def drift(outcomes: list[RequestRecord], duration_s: float, warmup_s: float, window_fraction: float) -> dict:
     """p50 / p90 in ms of the requests sent in the first and in the last window, and last / first."""
     width = window_fraction * duration_s
     first = latencies([o for o in outcomes if warmup_s <= o.sent_at_s < warmup_s + width])

@@ -9,7 +9,16 @@ drafter:verifier ratio) and `report` (markdown and PNG plots).
 from __future__ import annotations
 
 from benchmarks.simulator.engine import Simulation, simulate
-from benchmarks.simulator.model import Arm, Cluster, CostModel, DraftCost, SimResult, StepProfile, Workload
+from benchmarks.simulator.model import Arm, Cluster, CostModel, DraftCost, SimResult, SimWorkload, StepProfile
 
-__all__ = ["Arm", "Cluster", "CostModel", "DraftCost", "SimResult", "Simulation", "StepProfile", "Workload",
-           "simulate"]
+__all__ = [
+           "Arm",
+           "Cluster",
+           "CostModel",
+           "DraftCost",
+           "SimResult",
+           "SimWorkload",
+           "Simulation",
+           "StepProfile",
+           "simulate",
+]

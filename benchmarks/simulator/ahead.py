@@ -13,11 +13,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the engine imports this module
-    from benchmarks.simulator.engine import Replica, Req
+    from benchmarks.simulator.engine import Req, SimReplica
 
 
 class AheadDrafting:
-    def _cache_hit(self, rep: Replica, req: Req) -> bool:
+    def _cache_hit(self, rep: SimReplica, req: Req) -> bool:
         """Whether this draft request is answered from the cache; either way the request's job ends here."""
         if self.arm.ahead_hit <= 0:
             return False

@@ -35,7 +35,7 @@ ARM_POLICY = {"none": ("none", "none"), "mtp1": ("mtp1", "mtp"), "eagle3": ("fix
 
 
 @dataclass(slots=True)
-class Calibration:
+class SimCalibration:
     """What `calibrate` derived, with the per-method working shown (for the report)."""
 
     hop_s: float
@@ -128,7 +128,7 @@ def arms_of(results: dict) -> dict[str, Arm]:
     return arms
 
 
-def calibrate(results: dict, profile: StepProfile, hop_s: float = HOP_S) -> Calibration:
+def calibrate(results: dict, profile: StepProfile, hop_s: float = HOP_S) -> SimCalibration:
     """Constants from the c = 1 cells (module docstring). Raises ValueError without a `none` cell at c = 1."""
     plain = cell_at(results, "none", 1)
     if plain is None:
@@ -160,7 +160,7 @@ def calibrate(results: dict, profile: StepProfile, hop_s: float = HOP_S) -> Cali
                            "plain_extra_ms": plain_extra * 1e3, "draft_ms": draft_s[method] * 1e3}
     if not draft_s:
         draft_s["default"] = plain_extra
-    return Calibration(hop_s, router_s, ttft_offset, draft_s, arms_of(results), prompt, output, working, plain_run,
+    return SimCalibration(hop_s, router_s, ttft_offset, draft_s, arms_of(results), prompt, output, working, plain_run,
                        speed)
 
 

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 
 from benchmarks.simulator.ahead import AheadDrafting
 from benchmarks.simulator.metrics import Tally, result
-from benchmarks.simulator.model import Arm, Cluster, CostModel, RequestStats, SimResult, Workload
+from benchmarks.simulator.model import Arm, Cluster, CostModel, RequestStats, SimResult, SimWorkload
 from benchmarks.simulator.plain_run import PlainRuns
 from benchmarks.simulator.policies import OWN_LOAD, Block, SimBudget, accepted, draw_block, verify_len
 
 
 @dataclass(slots=True)
-class Replica:
+class SimReplica:
     queue: list = field(default_factory=list)  # verifier: (rid, tokens, ℓ); drafter: rid
     busy: bool = False
     active: int = 0  # requests placed here and not finished
@@ -60,12 +60,12 @@ class Req:
 class Simulation(AheadDrafting, PlainRuns):
     """One run of one arm on one cluster under one workload; `run()` → `SimResult`."""
 
-    def __init__(self, arm: Arm, cost: CostModel, cluster: Cluster, workload: Workload, seed: int = 0):
+    def __init__(self, arm: Arm, cost: CostModel, cluster: Cluster, workload: SimWorkload, seed: int = 0):
         self.arm, self.cost, self.cluster, self.work = arm, cost, cluster, workload
         self.rng = random.Random(seed)
         self.draft_cost = cost.draft_cost(arm.method) if arm.policy != "none" else None
-        self.verifiers = [Replica(budget=self._budget()) for _ in range(cluster.verifiers)]
-        self.drafters = [Replica() for _ in range(cluster.drafters)]
+        self.verifiers = [SimReplica(budget=self._budget()) for _ in range(cluster.verifiers)]
+        self.drafters = [SimReplica() for _ in range(cluster.drafters)]
         self.heap: list = []
         self.seq = 0
         self.now = 0.0
@@ -199,7 +199,7 @@ class Simulation(AheadDrafting, PlainRuns):
         if not rep.busy:
             self._gather(rep, v, self._verifier_step)
 
-    def _gather(self, rep: Replica, index: int, step) -> None:
+    def _gather(self, rep: SimReplica, index: int, step) -> None:
         """The tiers' batch window: start once every session has work queued, else when the window closes
         (`services.batching.gather_window`), so concurrent requests share steps instead of desynchronising."""
         if rep.queued_sessions >= len(rep.sessions) or self.cost.batch_window_s <= 0:
@@ -208,11 +208,11 @@ class Simulation(AheadDrafting, PlainRuns):
             rep.window = -rep.window - 1  # armed (negative) until the timer fires or a step starts
             self.at(self.now + self.cost.batch_window_s, self.window_closed, rep, index, step, rep.window)
 
-    def window_closed(self, rep: Replica, index: int, step, window: int) -> None:
+    def window_closed(self, rep: SimReplica, index: int, step, window: int) -> None:
         if rep.window == window and not rep.busy and rep.queue:
             step(index)
 
-    def _take(self, rep: Replica) -> list:
+    def _take(self, rep: SimReplica) -> list:
         batch, rep.queue, rep.busy, rep.queued_sessions = rep.queue, [], True, 0
         rep.window = abs(rep.window) + 1
         return batch
@@ -286,5 +286,5 @@ class Simulation(AheadDrafting, PlainRuns):
         return any(self.drafters[d].busy for d in range(v, len(self.drafters), n))
 
 
-def simulate(arm: Arm, cost: CostModel, cluster: Cluster, workload: Workload, seed: int = 0) -> SimResult:
+def simulate(arm: Arm, cost: CostModel, cluster: Cluster, workload: SimWorkload, seed: int = 0) -> SimResult:
     return Simulation(arm, cost, cluster, workload, seed).run()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from benchmarks.simulator.model import Cluster, RequestStats, SimResult, Workload
+from benchmarks.simulator.model import Cluster, RequestStats, SimResult, SimWorkload
 
 
 @dataclass(slots=True)
@@ -64,7 +64,7 @@ def _mean(values: list[float]) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
-def result(arm: str, cluster: Cluster, work: Workload, tally: Tally, mean_budget: float, events: int,
+def result(arm: str, cluster: Cluster, work: SimWorkload, tally: Tally, mean_budget: float, events: int,
            wall_s: float) -> SimResult:
     stats = tally.done_stats
     first = min((s.sent_s for s in stats), default=0.0)

@@ -110,7 +110,7 @@ class Arm:
 
 
 @dataclass(slots=True)
-class Workload:
+class SimWorkload:
     """Closed loop (`clients` > 0: each sends its next request when the last finished) or open-loop Poisson."""
 
     prompt_tokens: int = 64

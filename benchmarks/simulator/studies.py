@@ -16,9 +16,9 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from benchmarks.simulator.calibrate import Calibration, closed_cells
+from benchmarks.simulator.calibrate import SimCalibration, closed_cells
 from benchmarks.simulator.engine import simulate
-from benchmarks.simulator.model import Arm, Cluster, CostModel, SimResult, StepProfile, Workload
+from benchmarks.simulator.model import Arm, Cluster, CostModel, SimResult, SimWorkload, StepProfile
 
 VALIDATED = ("output_throughput", "per_user_tok_s_median")
 
@@ -48,14 +48,15 @@ def measured_of(cell: dict) -> dict[str, float]:
 def simulate_cell(cell: dict, arm: Arm, cost: CostModel, seeds: int = 3, seed: int = 0) -> dict[str, float]:
     """One measured cell replayed on N = M = 1, metrics averaged over `seeds` runs."""
     s = cell["summary"]
-    work = Workload(round(s["total_input_tokens"] / s["completed"]), round(s["total_output_tokens"] / s["completed"]),
-                    clients=int(cell["load"]["concurrency"]), requests=int(s["completed"]))
+    work = SimWorkload(round(s["total_input_tokens"] / s["completed"]),
+                       round(s["total_output_tokens"] / s["completed"]),
+                       clients=int(cell["load"]["concurrency"]), requests=int(s["completed"]))
     runs = [simulate(arm, cost, Cluster(1, 1), work, seed + i) for i in range(seeds)]
     keys = (*VALIDATED, "ttft_ms_mean", "tau", "mean_verify_len")
     return {k: statistics.fmean(getattr(r, k) for r in runs) for k in keys}
 
 
-def validate(results: dict, cal: Calibration, cost: CostModel, seeds: int = 3, seed: int = 0) -> list[ValidationRow]:
+def validate(results: dict, cal: SimCalibration, cost: CostModel, seeds: int = 3, seed: int = 0) -> list[ValidationRow]:
     rows = []
     for cell in closed_cells(results):
         arm = cal.arms.get(cell["arm"])
@@ -71,7 +72,7 @@ def score(rows: list[ValidationRow]) -> float:
     return statistics.fmean(logs) if logs else math.inf
 
 
-def fit_globals(results: dict, cal: Calibration, profile: StepProfile, slopes=(0.0, 0.25, 0.5, 0.75, 1.0),
+def fit_globals(results: dict, cal: SimCalibration, profile: StepProfile, slopes=(0.0, 0.25, 0.5, 0.75, 1.0),
                 contentions=(1.0, 1.2, 1.4, 1.6, 1.8, 2.0), seeds: int = 2) -> tuple[float, float, list[dict]]:
     """Grid search of the two global constants (drafter per-request slope, CPU contention) → (slope, contention,
     grid of scores). Only these two numbers move; every cell keeps the same constants."""
@@ -127,7 +128,7 @@ def run_scale_point(arm: Arm, cost: CostModel, verifiers: int, ratio: float, use
     shards = 1 if full else math.ceil(verifiers / shard)
     drafters = max(1, round(ratio * sim_n))
     clients = users_per_verifier * sim_n
-    work = Workload(prompt, output, clients=clients, requests=rounds * clients, stagger_s=_stagger(cost, output))
+    work = SimWorkload(prompt, output, clients=clients, requests=rounds * clients, stagger_s=_stagger(cost, output))
     started = time.perf_counter()
     r: SimResult = simulate(arm, cost, Cluster(sim_n, drafters, drafter_gpu_share), work, seed)
     wall = time.perf_counter() - started
