@@ -1,7 +1,7 @@
 """`dspark convert-drafter SRC OUT --to FORMAT`: a drafter written back in a released format loads through the
 ordinary loaders with format detection and drafts exactly the same blocks (greedy and sampled: tokens, q,
 peaks, confidences; fp32); its files hold exactly the tensor names, shapes and config fields the format
-definition lists (`../shared/docs/checkpoint-formats.md`, checked here without the loaders); what a format
+definition lists (docs/drafters.md, Released checkpoint formats, checked here without the loaders); what a format
 cannot express is refused by name and nothing is written."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def shipped():
     return load_model(resolve_model(SHIPPED), "float32", "cpu")
 
 
-# ---- the formats' definitions, written from checkpoint-formats.md (not from the writers or the loaders) ------
+# ---- the formats' definitions, written from the released formats (not from the writers or the loaders) ------
 def _layer(prefix, c, d_in, qk_norm):
     d, h, kv, dh, ff = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
     t = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),

@@ -46,7 +46,7 @@ def target() -> CausalLM:
 
 
 def deepspec_tensors(target: CausalLM, markov: bool, seed: int = 1) -> dict[str, torch.Tensor]:
-    """Every key of DeepSpec's Qwen3DSparkModel state dict (checkpoint-formats.md §2.2), random."""
+    """Every key of DeepSpec's Qwen3DSparkModel state dict (DeepSpec's `Qwen3DSparkModel`), random."""
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape):
@@ -94,7 +94,7 @@ def write_deepspec(path, target, markov=True, shards=1, **config_overrides):
     return tensors
 
 
-# ---- the reference, from the format's equations (checkpoint-formats.md §2.4) ------------------------------
+# ---- the reference, from the format's equations (DeepSpec's DSpark equations) ------------------------------
 def reference_block(t, taps, anchor, markov=True, fill_in=False):
     """Greedy DSpark/DFlash block from context features taps [P, T·d] (positions 0..P−1) and the anchor at P
     → tokens [γ], peaks [γ], confidences [γ]. Fill-in layout: [anchor, MASK × γ], drafts from slots 1..γ."""

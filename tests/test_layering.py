@@ -1,6 +1,6 @@
 """The package layering: every import (lazy ones too) points down this graph, and no package loops.
 
-    cli  →  benchmarks  →  training, cluster  →  router  →  verifier_worker, drafter_worker  →  protos  →  services
+    cli  →  benchmarks  →  training, cluster  →  router, verifier_worker, drafter_worker  →  protos  →  services
 
 A package may import itself and any package listed for it below; nothing else of the project. `cluster/` is
 the only package that imports Ray; the router reaches the tiers only through `services/` (types) and

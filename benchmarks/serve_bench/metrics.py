@@ -1,6 +1,6 @@
 """Client-side serving metrics, defined exactly as vLLM's `bench serve` (`calculate_metrics`) defines them.
 
-Matching vLLM and SGLang keeps our numbers comparable with theirs (docs/serving-anchors.md §(d)):
+Matching vLLM and SGLang (`bench_serving.py`) keeps our numbers comparable with theirs:
   TTFT    send → first chunk with content (queueing, tokenisation, prefill and the network included);
   E2EL    send → last chunk;
   TPOT    (E2EL − TTFT) / (output_tokens − 1) per request, stats over requests; requests with ≤ 1 token are

@@ -1,8 +1,8 @@
 """Speculative-decoding metrics from the router's Prometheus `/metrics`, diffed over a measurement window.
 
 The router exports counters (router/metrics.py), never per-window gauges, so a cell's numbers are
-after − before of two scrapes (docs/serving-anchors.md §(d)): warmup and earlier cells drop out, and a
-fresh server per cell is not needed. Notation: N = verify steps with drafts, D = draft tokens sent for
+after − before of two scrapes, as vLLM's and SGLang's benchmarks read theirs: warmup and earlier cells drop
+out, and a fresh server per cell is not needed. Notation: N = verify steps with drafts, D = draft tokens sent for
 verification, A = accepted draft tokens.
   τ = 1 + A/N (includes the bonus token: the vLLM, DSpark and SGLang convention);  α = A/D;
   per-position acceptance, labelled: unconditional (prefix survival) = accepted_k / N (vLLM `…_per_pos`),

@@ -1,6 +1,6 @@
 """DeepSpec's released DSpark and DFlash drafters (`deepseek-ai/dspark_qwen3_*_block7`, `dflash_*_block7`).
 
-What the format is (`../shared/docs/checkpoint-formats.md` §2, read from DeepSpec's `Qwen3DSparkModel`): the
+What the format is (docs/drafters.md, Released checkpoint formats §2, read from DeepSpec's `Qwen3DSparkModel`): the
 target's HF config deep-copied with `architectures: ["Qwen3DSparkModel"]`, `target_layer_ids` (output of
 decoder layer k, 0-based: dspark's own tap meaning), `block_size`, `mask_token_id`, `markov_rank` (0: DFlash),
 `enable_confidence_head`, `confidence_head_with_markov`, `markov_head_type`. Tensors at top level:

@@ -1,6 +1,6 @@
 """z-lab's DFlash drafters (`DFlashDraftModel`) and SpecForge's DSpark (`DSparkDraftModel`).
 
-The format (`../shared/docs/checkpoint-formats.md` §4.1–4.2): DeepSpec's backbone names (`fc`,
+The format (docs/drafters.md, Released checkpoint formats §4.1–4.2): DeepSpec's backbone names (`fc`,
 `hidden_norm`, `layers.{i}.*` with q/k norms, `norm`; SpecForge DSpark adds DeepSpec's `markov_head.*` and
 `confidence_head.*`), no embedding and no LM head (the target's), and the drafter fields in a nested
 `dflash_config` (or at top level): `mask_token_id`, `target_layer_ids` (output of layer k, as dspark's taps;

@@ -1,6 +1,6 @@
 """EAGLE-3 heads as vLLM and SGLang serve them: SpecForge / SafeAILab `LlamaForCausalLMEagle3`.
 
-The format (`../shared/docs/checkpoint-formats.md` §3): a Llama-style config of the draft's own (its own
+The format (docs/drafters.md, Released checkpoint formats §3): a Llama-style config of the draft's own (its own
 head_dim, MLP width, RoPE; no q/k norms even for Qwen3 targets), `draft_vocab_size`, optional
 `eagle_config.eagle_aux_hidden_state_layer_ids` (SpecForge/SGLang) or a top-level
 `eagle_aux_hidden_state_layer_ids` (vLLM), `norm_before_residual` (vLLM speculators). Tensors: `fc`

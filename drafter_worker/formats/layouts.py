@@ -1,5 +1,5 @@
 """What each released format holds, as the writers need it: its config.json and its tensor names and shapes
-(`../shared/docs/checkpoint-formats.md` §2.2–2.3, §2.6, §3.1–3.2, §4.1–4.2), for a given dspark drafter.
+(docs/drafters.md, Released checkpoint formats §2.2–2.3, §2.6, §3.1–3.2, §4.1–4.2), for a given dspark drafter.
 
 `spec_for` refuses, by name and with the reason, what a format's config cannot state (a layout, a head type, a
 tap count or convention, a reduced vocabulary, a residual placement); `writers.format_tensors` then refuses any

@@ -1,6 +1,6 @@
 """MTP modules inside released checkpoints: DeepSeek-V3 (`deepseek_mtp`) and Qwen3-Next (`qwen3_next_mtp`).
 
-The format (`../shared/docs/checkpoint-formats.md` §5; vLLM `deepseek_mtp.py`, `qwen3_next_mtp.py`): the
+The format (docs/drafters.md, Released checkpoint formats §5; vLLM `deepseek_mtp.py`, `qwen3_next_mtp.py`): the
 *target's* checkpoint, whose config.json has `num_nextn_predict_layers` ≥ 1.
 - DeepSeek-V3 (`model_type` deepseek_v3): module L = num_hidden_layers lives at `model.layers.{L}.*`:
   `enorm`, `hnorm`, `eh_proj` [d, 2d] (input [emb; hidden]), `shared_head.norm`, `shared_head.head` and

@@ -2,7 +2,7 @@
 
 Where the format can express the drafter exactly, the file loads through the ordinary loaders (format detected
 from config.json) and drafts the same blocks. Otherwise the conversion is refused before anything is written,
-with the tensor, field or convention that has no place in the format (`../shared/docs/checkpoint-formats.md`):
+with the tensor, field or convention that has no place in the format (docs/drafters.md, Released checkpoint formats):
 
   specforge-eagle3  `LlamaForCausalLMEagle3` (§3.1–3.2): a Llama layer (no q/k norms, no biases), exactly three
                     taps whose nested `eagle_config` ids start at 1 (the only ids every SGLang version reads as

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API over a `Router` (FastAPI + uvicorn + sse-starlette).
 
 Routes: /v1/completions, /v1/chat/completions (streaming or not), /v1/models, /health (503 when a
-tier is down), /metrics (Prometheus), /version. Errors are OpenAI-shaped (`http_errors.py`): 400 for
+tier is down), /metrics (Prometheus), /version. Errors are OpenAI-shaped (`router/api/errors.py`): 400 for
 bad input, 401 for a missing or wrong API key, 413 for a body over the cap, 429 with Retry-After when
 full. Streaming sends one SSE chunk per cycle, then `[DONE]`; errors after the 200 arrive as a data chunk.
 """
