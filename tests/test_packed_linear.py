@@ -87,8 +87,8 @@ def test_a_weight_changed_after_packing_runs_unpacked(way):
 
 
 def test_a_packed_target_gives_the_unpacked_logits_in_bf16(way):
-    if way == "kernel":
-        pytest.skip("the kernel sums in another order than F.linear: its bits are its own")
+    """oneDNN's packed GEMM gives F.linear's bits; the kernel sums in another order, so its bits are its own and
+    only close (what the fused step's own tests then pin down)."""
     model = make_model().to(torch.bfloat16)
     cfg = model.config
     k = torch.zeros(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 64, cfg.head_dim, dtype=torch.bfloat16)
@@ -101,13 +101,16 @@ def test_a_packed_target_gives_the_unpacked_logits_in_bf16(way):
         plain = model(*args, k.clone(), k.clone(), torch.arange(7)).logits
         model.prepare_for_serving()
         packed = model(*args, k.clone(), k.clone(), torch.arange(7)).logits
-    assert torch.equal(plain, packed)
+    if way == "kernel":
+        torch.testing.assert_close(packed, plain, atol=0.1, rtol=0.05)
+    else:
+        assert torch.equal(plain, packed)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_compiled_graph_gives_the_eager_bits(dtype, way):
-    if way == "onednn" and dtype == torch.float32:
-        pytest.skip("a compiled graph traces F.linear for oneDNN weights: MKL's fp32 bits, not the packed GEMM's")
+    """Bit for bit, except oneDNN weights in fp32: a compiled graph traces F.linear for them, MKL's fp32 bits and
+    not the packed GEMM's (then close)."""
     w = torch.randn(40, 24).to(dtype)
     packed = pack(w)
     if packed is None:
@@ -115,4 +118,8 @@ def test_a_compiled_graph_gives_the_eager_bits(dtype, way):
     fn = torch.compile(lambda x: torch.relu(linear(x, w, None, packed)), dynamic=True, fullgraph=True)
     x = torch.randn(5, 24).to(dtype)
     with torch.inference_mode():
-        assert torch.equal(fn(x), torch.relu(linear(x, w, None, packed)))
+        compiled, eager = fn(x), torch.relu(linear(x, w, None, packed))
+    if way == "onednn" and dtype == torch.float32:
+        torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    else:
+        assert torch.equal(compiled, eager)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.simulator import Arm, Cluster, CostModel, DraftCost, Simulation, SimWorkload, StepProfile, simulate
-from benchmarks.simulator.calibrate import calibrate, load_results
+from benchmarks.simulator.calibrate import calibrate
 from benchmarks.simulator.policies import OWN_LOAD, SimBudget
 from benchmarks.simulator.studies import validate
 from router.scheduling.sps import SpsCurve
@@ -155,12 +155,6 @@ def _check_calibration(results: dict, profile: StepProfile = FIXTURE_PROFILE) ->
 
 def test_calibration_on_a_fixture_gives_finite_positive_constants():
     _check_calibration(fixture_results())
-
-
-@pytest.mark.skipif(not Path("/tmp/benchout/results.json").exists(), reason="no local bench run")
-def test_calibration_on_a_local_bench_run():
-    _check_calibration(load_results(Path("/tmp/benchout/results.json")),
-                       StepProfile.load(Path("benchmarks/results/sps-cpu.json")))
 
 
 def test_gpu_example_profile_is_marked_illustrative():
