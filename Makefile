@@ -7,7 +7,7 @@ PROMPT ?= def fibonacci(n):
 
 .PHONY: install serve test lint bench bench-tiers bench-policies bench-ray soak bench-overload results-serving data target-v2 \
 	data-deps test-deps drafters drafters-v2-cache drafters-v2 models acceptance image clean peer-check \
-	drafters-gemma-rollouts
+	drafters-gemma-rollouts drafters-gemma-cache drafters-gemma
 
 $(BIN)/dspark: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -130,11 +130,35 @@ drafters-v2: drafters-v2-cache
 # Gemma 3 270M's rollouts ([2/6]): corpus v2's prompts in Gemma's own template, T = 0 and 1 (top-p off, as
 # served), up to 256 new tokens, bf16 where native; hours on 2 cores. Resumable: build/drafters/gemma-3-270m on
 # a kept machine, the gzip copies of the token ids in runs/drafters-gemma on a fresh one (commit them).
+GEMMA_DATA := --target gemma-3-270m --data-dir build/data-v2 --prompts-per-domain 2000 --max-new-tokens 256 \
+	--temperatures 0 1 --top-p 1.0 --code-prompts-per-file 12 --batch 48 --rollout-dtype auto \
+	--mirror-dir runs/drafters-gemma
+GEMMA_RUN := build/drafters/gemma-3-270m
 drafters-gemma-rollouts: data-deps $(BIN)/dspark
 	@test -f build/data-v2/manifest.json || $(BIN)/dspark data build --out build/data-v2 --eval-dir build/data-v2/eval
-	$(BIN)/dspark data target-cache --target gemma-3-270m --data-dir build/data-v2 --prompts-per-domain 2000 \
-		--max-new-tokens 256 --temperatures 0 1 --top-p 1.0 --code-prompts-per-file 12 --batch 48 \
-		--rollout-dtype auto --mirror-dir runs/drafters-gemma --rollouts-only
+	$(BIN)/dspark data target-cache $(GEMMA_DATA) --rollouts-only
+
+# Then the draft vocabulary (the 32,768 most frequent response tokens of the train rollouts; coverage per domain
+# printed, held-out included) and the feature cache: taps 1, 9, 16 and the final hidden in bf16 where native (as
+# Gemma is served), the log-sum-exp over all 262,144 logits on response rows; in shards of 1,000 sequences, so a
+# cut build resumes at its first missing one. About an hour on 2 cores with AMX.
+drafters-gemma-cache: drafters-gemma-rollouts
+	test -f $(GEMMA_RUN)/d2t.safetensors || $(BIN)/dspark data draft-vocab --rollouts $(GEMMA_RUN)/rollouts.train.jsonl \
+		--held-out $(GEMMA_RUN)/rollouts.val.jsonl --size 32768 16384 --vocab-size 262144 --out $(GEMMA_RUN)/d2t.safetensors
+	$(BIN)/dspark data target-cache $(GEMMA_DATA) --feature-dtype auto
+
+# The four drafters on that cache, over that draft vocabulary, with early stopping on held-out expected accepted
+# tokens (4 evaluations of 250 steps without a better one); DSpark and DFlash the same data, steps, anchors and
+# learning rate, side by side on one thread each, then EAGLE-3 and MTP-1. Resumable on a kept machine (the run
+# directories under build/); no optimizer state goes to git, so a fresh machine trains a missing drafter again
+# (one that models/ ships is skipped).
+GEMMA_TRAIN := --target gemma-3-270m --data-dir build/data-v2 --draft-vocab $(GEMMA_RUN)/d2t.safetensors \
+	--patience 4 --eval-every 250
+train-gemma = test -f models/gemma-3-270m-$(1)/model.safetensors || OMP_NUM_THREADS=1 $(BIN)/dspark train drafter \
+	--method $(1) $(GEMMA_TRAIN) --epochs $(2) --anchors $(3)
+drafters-gemma: drafters-gemma-cache
+	$(call train-gemma,dspark,4,24) & $(call train-gemma,dflash,4,24) & wait
+	$(call train-gemma,eagle3,2,32) & $(call train-gemma,mtp,4,24) & wait
 
 # Every model from a clean checkout: corpus v2, target v2, its rollouts and cache, its drafters.
 models: target-v2 drafters-v2
