@@ -25,5 +25,23 @@ def render(messages: list[dict[str, str]], add_generation_prompt: bool = False) 
     return "".join(out)
 
 
+def parse(text: str) -> list[dict[str, str]] | None:
+    """`render`'s text with its generation prompt back into messages; None for text not in that form (a
+    completion prompt). What lets a prompt set written in dspark's turn format be rendered in another model's
+    template (`training/eval/report.py`)."""
+    suffix = f"{ASSISTANT}\n"
+    if not text.endswith(suffix):
+        return None
+    messages, rest = [], text[: -len(suffix)]
+    while rest:
+        role = next((r for r in ("system", "user", "assistant") if rest.startswith(f"<|{r}|>\n")), None)
+        end = rest.find(f"{END}\n")
+        if role is None or end < 0:
+            return None
+        messages.append({"role": role, "content": rest[len(role) + 5 : end]})
+        rest = rest[end + len(END) + 1 :]
+    return messages or None
+
+
 def qa(question: str, answer: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]

@@ -5,6 +5,8 @@ on what the model sees."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -121,3 +123,20 @@ def test_the_api_agrees_on_what_the_model_sees(tok):
             assert bare.json()["tokens"] == ids[1:]
     finally:
         verifier.stop()
+
+
+def test_eval_prompts_in_dspark_turns_are_rendered_in_gemmas_template(tmp_path, tok):
+    """The eval sets are written in dspark's turn format; a Gemma target sees them in its own."""
+    from services.chat_template import parse, render
+    from training.eval.report import read_prompts
+
+    messages = [{"role": "user", "content": "What does the class Action in the argparse module do?"}]
+    text = render(messages, add_generation_prompt=True)
+    assert parse(text) == messages and parse("def fibonacci(n):") is None
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": text}) + "\n" +
+                                        json.dumps({"prompt": "def fibonacci(n):"}) + "\n")
+    chat, code = read_prompts(tmp_path, "chat", 2, tok)
+    assert chat == tok.chat_ids(messages) and tok.token_text(chat[1]) == "<start_of_turn>"
+    assert code == tok.encode("def fibonacci(n):") and code[0] == 2  # the BOS, then the text as it is
+    toy = TextTokenizer.from_dir(resolve_model("dspark-target-v2"))
+    assert read_prompts(tmp_path, "chat", 1, toy) == [toy.encode(text)]  # dspark's own targets: unchanged

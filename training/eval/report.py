@@ -12,6 +12,7 @@ import torch
 
 from drafter_worker.calibration import Calibration
 from drafter_worker.drafter import Drafter
+from services import chat_template
 from services.calibration_metrics import auroc, brier, ece
 from services.types import SamplingParams
 from training.eval import evaluate
@@ -30,8 +31,14 @@ class EvalSpec:
 
 
 def read_prompts(datasets_dir: Path, domain: str, limit: int, tokenizer) -> list[list[int]]:
+    """The first `limit` prompts of a set: a conversation written in dspark's turn format in the target's own
+    chat template (Gemma's for Gemma), a completion prompt as it is."""
     rows = [json.loads(line) for line in (datasets_dir / f"{domain}.jsonl").read_text().splitlines()]
-    return [tokenizer.encode(r["prompt"]) for r in rows[:limit]]
+    out = []
+    for row in rows[:limit]:
+        messages = chat_template.parse(row["prompt"])
+        out.append(tokenizer.encode(row["prompt"]) if messages is None else tokenizer.chat_ids(messages))
+    return out
 
 
 def confidence_metrics(log: evaluate.CycleLog, gamma: int, calibration: Calibration | None) -> dict:
