@@ -218,7 +218,7 @@ def _load_pair(target_name: str, drafter: str):
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from drafter_worker.calibration import fit_sts
+    from drafter_worker.calibration import Calibration, fit_sts
     from drafter_worker.drafter import Drafter
     from services.registry import resolve_model
     from services.tokenizer import TextTokenizer
@@ -238,7 +238,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     z, labels, valid = run.cycles.tensors(args.gamma)
     fit = fit_platt if args.method == "platt" else fit_sts
     calibration = fit(z, labels, valid, serving_temperature=args.temperature)
-    calibration.save(drafter_dir / "calibration.json")
+    path = drafter_dir / "calibration.json"  # a fit of the other kind (T = 0 or T > 0) stays beside this one
+    calibration.beside(Calibration.load(path) if path.is_file() else None).save(path)
     temps = [round(t, 3) for t in calibration.position_temperatures]
     _log()(f"{args.method} on {len(z)} held-out cycles: T_k = {temps}, "
            f"b_k = {[round(b, 3) for b in calibration.position_biases]}; "

@@ -30,6 +30,7 @@ metric in float64.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -64,6 +65,9 @@ class Calibration:
     # temperature can (a head whose logit 0 means 80 % acceptance stays miscalibrated under STS).
     position_biases: list[float] = field(default_factory=list)
     method: str = METHOD
+    # The fit at T = 0 shipped beside this one (fitted at T > 0): greedy drafts are surer than sampled ones, so
+    # each kind of request gets the fit of its own kind (`for_rows`); stored in the same calibration.json.
+    greedy: Calibration | None = None
 
     def __post_init__(self) -> None:
         temps = [float(t) for t in self.position_temperatures]
@@ -78,6 +82,24 @@ class Calibration:
         self.position_biases = biases
         if self.method not in METHODS:
             raise ValueError(f"calibration method {self.method!r}: expected one of {METHODS}")
+        if self.greedy is not None and not (self.greedy.serving_temperature == 0 < self.serving_temperature):
+            raise ValueError("a greedy fit (T = 0) goes beside a fit at T > 0")
+
+    def for_rows(self, greedy: bool) -> Calibration | None:
+        """The fit for greedy rows (fitted at T = 0) or sampled ones (at T > 0); None when none was made: a fit
+        at T = 1 applied to greedy drafts makes them look worse than they are."""
+        if greedy:
+            return self.greedy if self.greedy is not None else (self if self.serving_temperature == 0 else None)
+        return self if self.serving_temperature > 0 else None
+
+    def beside(self, other: Calibration | None) -> Calibration:
+        """This fit, keeping `other`'s fit of the other kind (a greedy fit joins a sampled one, or the reverse)."""
+        if other is None:
+            return self
+        if self.serving_temperature == 0:
+            return self if other.serving_temperature == 0 else dataclasses.replace(other, greedy=self)
+        kept = other if other.serving_temperature == 0 else other.greedy
+        return dataclasses.replace(self, greedy=kept)
 
     def temperatures(self, gamma: int) -> torch.Tensor:
         """T for positions 1..gamma as float64 [gamma]; positions past the fitted ones reuse the last T."""
@@ -112,6 +134,10 @@ class Calibration:
             data = json.loads(Path(path).read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}: not a JSON calibration file ({err})") from err
+        return cls._from_dict(data, path)
+
+    @classmethod
+    def _from_dict(cls, data, path) -> Calibration:
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
         method = data.pop("method", None)
@@ -127,6 +153,7 @@ class Calibration:
                 samples=int(data.get("samples", 0)),
                 position_biases=[float(b) for b in data.get("position_biases", [])],
                 method=method,
+                greedy=None if data.get("greedy") is None else cls._from_dict(data["greedy"], path),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{path}: malformed calibration file ({type(err).__name__}: {err})") from err

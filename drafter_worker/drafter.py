@@ -291,16 +291,19 @@ class Drafter(StatelessProposer):
         return tokens, q, conf, peaks
 
     def _confidences(self, z: torch.Tensor, greedy: list[bool]) -> torch.Tensor:
-        """Confidence logits [R, γ] of rows greedy or sampled → a_k: calibrated where the checkpoint's calibration
-        was fitted for the row's kind (at T = 0 for greedy rows, at a sampling temperature for sampled ones),
-        else the head's own σ(z). A fit at T = 1 applied to greedy drafts makes them look worse than they are
+        """Confidence logits [R, γ] of rows greedy or sampled → a_k: each row calibrated by the checkpoint's fit of
+        its kind (`Calibration.for_rows`: fitted at T = 0 for greedy rows, at a sampling temperature for sampled
+        ones), else the head's own σ(z). A fit at T = 1 applied to greedy drafts makes them look worse than they are
         (target v2's DSpark: ECE at k = 1 6.1 → 13.6 %), which cuts greedy blocks the planner then never learns."""
-        raw = torch.sigmoid(z)
+        out = torch.sigmoid(z)
         if self.calibration is None:
-            return raw
-        fit_greedy = self.calibration.serving_temperature == 0
-        rows = torch.tensor([g == fit_greedy for g in greedy], device=z.device)[:, None]  # [R, 1]
-        return torch.where(rows, self.calibration.apply(z), raw)
+            return out
+        for kind in (True, False):
+            fit = self.calibration.for_rows(kind)
+            if fit is not None:
+                rows = torch.tensor([g == kind for g in greedy], device=z.device)[:, None]  # [R, 1]
+                out = torch.where(rows, fit.apply(z), out)
+        return out
 
 
 def _knobs(sampling: list[SamplingParams], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

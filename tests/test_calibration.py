@@ -287,3 +287,17 @@ def test_a_platt_calibration_round_trips(tmp_path):
     assert again == cal
     z = torch.tensor([[0.0, 1.0]])
     assert again.apply(z)[0, 0].item() == pytest.approx(1 / (1 + math.exp(-0.5)))
+
+
+def test_a_greedy_fit_beside_a_sampled_one_round_trips_and_is_refused_alone(tmp_path):
+    sampled = Calibration(position_temperatures=[1.5, 2.0], serving_temperature=1.0, position_biases=[0.1, 0.2],
+                          method="platt")
+    greedy = Calibration(position_temperatures=[0.7, 0.9], serving_temperature=0.0, position_biases=[0.5, 0.4],
+                         method="platt")
+    both = greedy.beside(sampled)
+    both.save(tmp_path / "calibration.json")
+    back = Calibration.load(tmp_path / "calibration.json")
+    assert back == both and back.greedy == greedy and back.for_rows(True) == greedy and back.for_rows(False) == back
+    assert sampled.for_rows(True) is None and greedy.for_rows(False) is None
+    with pytest.raises(ValueError, match="greedy fit"):
+        Calibration(position_temperatures=[1.0], serving_temperature=0.0, greedy=greedy)

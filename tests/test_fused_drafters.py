@@ -213,3 +213,22 @@ def test_a_calibration_fitted_at_t1_calibrates_sampled_blocks_only(target):
         blocks[t] = (plain.propose(ctx_plain, GAMMA, params)["r0"], calibrated.propose(ctx_cal, GAMMA, params)["r0"])
     assert blocks[0.0][1].confidences == blocks[0.0][0].confidences  # greedy: raw
     assert blocks[1.0][1].confidences != blocks[1.0][0].confidences  # sampled: calibrated
+
+
+@torch.no_grad()
+def test_fits_at_t0_and_t1_shipped_together_each_calibrate_their_own_rows(target):
+    """calibration.json with a T = 1 fit and a T = 0 fit beside it: greedy drafts get the T = 0 one, sampled ones
+    the T = 1 one, and neither is the head's raw σ(z)."""
+    model = draft_model(target, "dspark")
+    sampled = Calibration(position_temperatures=[2.0] * GAMMA, position_biases=[-1.0] * GAMMA, serving_temperature=1.0)
+    greedy = Calibration(position_temperatures=[0.5] * GAMMA, position_biases=[1.0] * GAMMA, serving_temperature=0.0)
+    both = sampled.beside(greedy)
+    assert both.for_rows(True) is greedy and both.for_rows(False) is both
+    assert greedy.beside(sampled).greedy is greedy  # whichever is fitted second, both stay
+    for t, fit in ((0.0, greedy), (1.0, sampled)):
+        plain, calibrated = Drafter(model), Drafter(model, both)
+        params = {"r0": SamplingParams(temperature=t, seed=1)}
+        raw = plain.propose(_contexts(plain, [8]), GAMMA, params)["r0"]
+        got = calibrated.propose(_contexts(calibrated, [8]), GAMMA, params)["r0"]
+        z = torch.logit(torch.tensor(raw.confidences, dtype=torch.float64))
+        torch.testing.assert_close(torch.tensor(got.confidences, dtype=torch.float64), fit.apply(z), atol=1e-4, rtol=0)

@@ -68,6 +68,7 @@ def evaluate_drafter(target, drafter: Drafter, calibration: Calibration | None, 
                      spec: EvalSpec, stop_ids: tuple[int, ...], gamma: int, temperature: float,
                      plot_path: Path | None = None, log=None) -> dict:
     params = SamplingParams(temperature=temperature, max_tokens=spec.max_tokens, seed=spec.seed)
+    calibration = None if calibration is None else calibration.for_rows(temperature == 0)  # the fit of this kind
     domains, pooled = {}, evaluate.CycleLog()
     for domain, ids in prompts.items():
         entry = {}
