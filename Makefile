@@ -149,7 +149,8 @@ drafters-gemma-cache: drafters-gemma-rollouts
 
 # The four drafters on that cache, over that draft vocabulary, with early stopping on held-out expected accepted
 # tokens (4 evaluations of 250 steps without a better one); DSpark and DFlash the same data, steps, anchors and
-# learning rate, side by side on one thread each, then EAGLE-3 and MTP-1. Resumable on a kept machine (the run
+# learning rate, side by side on one thread each, then EAGLE-3 and MTP-1; then Platt calibration of DSpark's
+# confidences at T = 1 and at T = 0, both kept (each request's rows get the fit of their kind). Resumable on a kept machine (the run
 # directories under build/); no optimizer state goes to git, so a fresh machine trains a missing drafter again
 # (one that models/ ships is skipped).
 GEMMA_TRAIN := --target gemma-3-270m --data-dir build/data-v2 --draft-vocab $(GEMMA_RUN)/d2t.safetensors \
@@ -159,6 +160,9 @@ train-gemma = test -f models/gemma-3-270m-$(1)/model.safetensors || OMP_NUM_THRE
 drafters-gemma: drafters-gemma-cache
 	$(call train-gemma,dspark,4,24) & $(call train-gemma,dflash,4,24) & wait
 	$(call train-gemma,eagle3,2,32) & $(call train-gemma,mtp,4,24) & wait
+	test -f models/gemma-3-270m-dspark/calibration.json || for t in 1 0; do $(BIN)/dspark calibrate \
+		--target gemma-3-270m --drafter gemma-3-270m-dspark --data-dir build/data-v2 --temperature $$t \
+		--method platt || exit 1; done
 
 # Every model from a clean checkout: corpus v2, target v2, its rollouts and cache, its drafters.
 models: target-v2 drafters-v2
