@@ -8,7 +8,16 @@ import torch
 
 from protos.dspark.v1 import dspark_pb2 as pb
 from services.errors import InvalidRequestError
-from services.types import DraftBlock, OutcomeKind, PlainRun, SamplingParams, StepOutput, TokenLogprobs
+from services.types import (
+    DraftBlock,
+    Grammar,
+    GrammarKind,
+    OutcomeKind,
+    PlainRun,
+    SamplingParams,
+    StepOutput,
+    TokenLogprobs,
+)
 
 _DTYPES = {pb.DTYPE_FLOAT32: torch.float32, pb.DTYPE_BFLOAT16: torch.bfloat16, pb.DTYPE_FLOAT16: torch.float16}
 _WIRE = {v: k for k, v in _DTYPES.items()}
@@ -67,6 +76,7 @@ def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
         presence_penalty=p.presence_penalty, min_p=p.min_p, min_tokens=p.min_tokens, logit_bias=dict(p.logit_bias),
         stop_token_ids=p.stop_token_ids, logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs,
         allowed_token_ids=p.allowed_token_ids, bad_words=[pb.TokenIds(ids=w) for w in p.bad_words],
+        grammar=None if p.grammar is None else pb.Grammar(kind=p.grammar.kind.value, text=p.grammar.text),
     )
 
 
@@ -81,7 +91,14 @@ def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         allowed_token_ids=tuple(msg.allowed_token_ids), bad_words=tuple(tuple(w.ids) for w in msg.bad_words),
+        grammar=_grammar_from_pb(msg.grammar) if msg.HasField("grammar") else None,
     )
+
+
+def _grammar_from_pb(msg: pb.Grammar) -> Grammar:
+    if msg.kind not in GrammarKind.__members__.values():
+        raise InvalidRequestError(f"grammar kind {msg.kind!r}: one of {', '.join(k.value for k in GrammarKind)}")
+    return Grammar(GrammarKind(msg.kind), msg.text)
 
 
 def logprobs_to_pb(lp: TokenLogprobs | None) -> pb.TokenLogprobs | None:

@@ -84,6 +84,7 @@ def load_model(
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    model.source_dir = model_dir  # where its tokenizer is (structured output reads it: services/grammar.py)
     return model.eval()
 
 

@@ -17,6 +17,27 @@ MAX_ALLOWED_TOKENS = 4096  # allowed_token_ids entries
 MAX_BAD_WORDS = 64  # bad-word token sequences, each of at most MAX_BAD_WORD_TOKENS
 MAX_BAD_WORD_TOKENS = 32
 MAX_PENALTY = 100.0  # repetition_penalty above this is no sampling any more, only a way to stall a step
+MAX_GRAMMAR_CHARS = 65536  # a grammar's text (a JSON schema, a regex, a Lark or GBNF grammar)
+
+
+class GrammarKind(StrEnum):
+    """What a structured-output request constrains the output to (services/grammar.py compiles each)."""
+
+    JSON_SCHEMA = "json_schema"  # a JSON schema (OpenAI response_format json_schema, vLLM json, SGLang json_schema)
+    REGEX = "regex"
+    CHOICE = "choice"  # a JSON list of strings: exactly one of them
+    GRAMMAR = "grammar"  # Lark or GBNF / EBNF (vLLM grammar, SGLang ebnf)
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    kind: GrammarKind
+    text: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", GrammarKind(self.kind))
+        if not self.text or len(self.text) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequestError(f"a {self.kind} constraint must be 1 to {MAX_GRAMMAR_CHARS} characters")
 
 
 class OutcomeKind(StrEnum):
@@ -54,6 +75,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()  # only these may be generated; () = every token (vLLM)
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never completed: a sequence's last token is
     # banned wherever the output ends with the rest of it (vLLM's bad_words, tokenized by the router)
+    # Structured output: every verified row masked to what the grammar allows after that row's own output
+    # (services/grammar.py); None = unconstrained.
+    grammar: Grammar | None = None
     # Log-probabilities of the target's raw distribution (log-softmax of the logits, vLLM's raw_logprobs):
     logprobs: int | None = None  # per emitted token, with this many top alternatives; None = none
     prompt_logprobs: int | None = None  # per prompt token after the first, likewise

@@ -19,6 +19,7 @@ import torch
 from services import processors
 from services.compiled_step import CompiledStep
 from services.errors import CapacityError, InvalidRequestError
+from services.grammar import GrammarTokenizer
 from services.layers import RaggedLayout
 from services.model import CausalLM
 from services.sampling import accept_greedy, accept_stochastic, draft_q, logits_to_probs, sample
@@ -29,6 +30,7 @@ from verifier_worker.work import (
     WorkItem,
     add_logprobs,
     first_token_row,
+    grammar_masks,
     logit_positions,
     row_contexts,
     samples_first,
@@ -64,6 +66,7 @@ class Engine:
         self._running: OrderedDict[str, EngineRequest] = OrderedDict()
         self._waiting: deque[EngineRequest] = deque()
         self.last_batch_tokens = 0  # tokens in the last step's forward (the load board's batch_tokens)
+        self._grammar: GrammarTokenizer | None = None
 
     # ---- requests -----------------------------------------------------------------------------
     @property
@@ -102,12 +105,21 @@ class Engine:
         # Those already waiting take the free slots first; only what is left over has to queue.
         if len(self._waiting) - self.cache.num_free_slots >= self.config.max_waiting:
             raise CapacityError(f"engine queue is full ({self.config.max_waiting} waiting)")
+        grammar = None if params.grammar is None else self._grammar_tokenizer().start(params.grammar)
+        if grammar is not None and resume_ids:
+            grammar.commit(resume_ids)  # the output emitted elsewhere, already inside the grammar
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
         prefill_len = len(tokens) - 1 if resume_ids else len(tokens)
         self._waiting.append(EngineRequest(request_id, params, tokens, prefill_len, len(prompt_ids), generator,
-                                           resumed=bool(resume_ids), share_from=share_prefix_of))
+                                           resumed=bool(resume_ids), share_from=share_prefix_of, grammar=grammar))
+
+    def _grammar_tokenizer(self) -> GrammarTokenizer:
+        """The model's vocabulary for llguidance, built at the first structured-output request."""
+        if self._grammar is None:
+            self._grammar = GrammarTokenizer(getattr(self.model, "source_dir", None), self.model.config.vocab_size)
+        return self._grammar
 
     def submit(self, request_id: str, draft: DraftBlock | None = None) -> int:
         """Queue one cycle for the next step → the verify length ℓ actually used.
@@ -248,7 +260,7 @@ class Engine:
 
     def _update(self, items: list[WorkItem], logits: torch.Tensor, features: torch.Tensor | None) -> list[StepOutput]:
         raw = logits  # logprobs are of the raw distribution (vLLM's raw_logprobs)
-        logits = processors.apply(logits, row_contexts(items))  # [M, V]
+        logits = grammar_masks(items, processors.apply(logits, row_contexts(items)), raw)  # [M, V]
         argmax, probs = self._target_choices(items, logits)
         outputs, row = [], 0
         for it in items:
@@ -301,6 +313,8 @@ class Engine:
             r = first_token_row(it)
             token = argmax[r] if req.params.greedy else int(sample(probs.rows(it, r, r + 1), req.generator)[0])
             req.tokens.append(token)
+            if req.grammar is not None:
+                req.grammar.commit([token])
             out.emitted, out.kind = [token], OutcomeKind.FIRST
         elif req.resumed and not req.in_prefill:
             out.kind = OutcomeKind.FIRST  # ready to verify from the given anchor; nothing new emitted
@@ -319,6 +333,8 @@ class Engine:
         # Keep the anchor and the accepted drafts; the new anchor `token` is not cached yet.
         self.cache.truncate(req.request_id, it.start + 1 + accepted)
         req.tokens.extend(emitted)
+        if req.grammar is not None:
+            req.grammar.commit(emitted)
         req.pending = None
         return StepOutput(
             req.request_id,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from services import processors
+from services.grammar import RequestGrammar
 from services.processors import RowContext
 from services.sampling import token_logprobs
 from services.types import DraftBlock, SamplingParams, StepOutput
@@ -30,6 +31,7 @@ class EngineRequest:
     resumed: bool = False  # re-prefilled from committed tokens: the anchor is given, nothing is sampled
     pending: DraftBlock | None = None  # the cycle submitted for the next step (may be empty)
     share_from: str = ""  # a running request with the same prompt whose cached prefix may be copied
+    grammar: RequestGrammar | None = None  # structured output: the grammar state over the committed output
 
     @property
     def in_prefill(self) -> bool:
@@ -88,6 +90,30 @@ def row_contexts(items: list[WorkItem]) -> list[RowContext | None]:
             output = req.output
             rows += [RowContext(req.params, req.prompt, output + it.draft.tokens[:k]) for k in range(count)]
     return rows
+
+
+def grammar_masks(items: list[WorkItem], logits: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """Structured output (services/grammar.py): each constrained row −inf outside what its grammar allows after
+    that row's own output (the drafts before it included), as processors read their rows. `raw` is left as it is
+    (the logprobs are of the raw distribution)."""
+    rows, masks = [], []
+    for it in items:
+        grammar = it.request.grammar
+        if grammar is None or it.logit_offset < 0:
+            continue
+        if it.draft is not None:
+            rows.extend(range(it.logit_offset, it.logit_offset + len(it.draft) + 1))
+            masks.append(grammar.masks(it.draft.tokens))  # [ℓ + 1, V]
+        elif samples_first(it):
+            rows.append(first_token_row(it))
+            masks.append(grammar.masks([]))
+    if not rows:
+        return logits
+    out = logits.float().clone() if logits is raw else logits
+    index = torch.tensor(rows, device=out.device)
+    allowed = torch.cat(masks).to(out.device)  # [R, V]
+    out[index] = out[index].masked_fill(~allowed, float("-inf"))
+    return out
 
 
 def add_logprobs(it: WorkItem, out: StepOutput, raw: torch.Tensor) -> None:

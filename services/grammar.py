@@ -1,0 +1,117 @@
+"""Structured output on llguidance: a request's grammar state, and the masks of the rows it verifies.
+
+Exact under speculation, as the logits processors are (services/processors.py): a verify item [anchor, x1..xℓ]
+has ℓ + 1 rows, and row k is masked to what the grammar allows after the committed output and x1..xk — the
+state plain decoding would be in — never reading x_{k+1}, the token the row decides about. `RequestGrammar`
+keeps the state of the committed output; `masks` advances a copy of it through the drafts (a draft the grammar
+forbids ends the walk: its row masks it out, so it is rejected there and later rows are never read), then rolls
+back; `commit` advances it by what a cycle emitted. Greedy constrained speculative output is then constrained
+plain output token for token, and sampled output follows the masked target distribution (the rejection test
+runs against it).
+
+Cost: on Gemma's 262,144-token vocabulary a mask takes about 0.05 ms on this CPU (a JSON schema), against a
+30 ms target step; the tokenizer's token trie is built once per tokenizer file (5 s for Gemma's) and cached.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import llguidance
+import torch
+from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+from services.errors import InvalidRequestError
+from services.tokenizer import TextTokenizer
+from services.types import Grammar, GrammarKind
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(tokenizer_json: str, eos: tuple[int, ...]) -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(tokenizer_json, eos_token=list(eos))
+
+
+def compile_grammar(grammar: Grammar) -> str:
+    """The request's constraint → llguidance's grammar; a constraint it cannot read is refused by name."""
+    try:
+        if grammar.kind is GrammarKind.JSON_SCHEMA:
+            return llguidance.LLMatcher.grammar_from_json_schema(grammar.text)
+        if grammar.kind is GrammarKind.REGEX:
+            return llguidance.LLMatcher.grammar_from_regex(grammar.text)
+        if grammar.kind is GrammarKind.CHOICE:
+            choices = json.loads(grammar.text)
+            if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
+                raise ValueError("choice takes a non-empty list of strings")
+            return llguidance.grammar_from("choice", grammar.text)
+        return llguidance.grammar_from("grammar", grammar.text)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequestError(f"{grammar.kind}: {exc}") from exc
+
+
+class GrammarTokenizer:
+    """A model's vocabulary as llguidance sees it (its tokenizer.json, its EOS ids), and the logits width."""
+
+    def __init__(self, model_dir: str | Path | None, vocab_size: int):
+        path = None if model_dir is None else Path(model_dir) / "tokenizer.json"
+        if path is None or not path.is_file():
+            raise InvalidRequestError("structured output needs the model's tokenizer (tokenizer.json), which this "
+                                      "verifier was not given")
+        eos = TextTokenizer.from_dir(path.parent).eos_token_ids
+        self.lltok = _tokenizer(str(path), tuple(eos))
+        self.vocab_size = vocab_size  # the logits' width; ids past the tokenizer's are never allowed
+
+    def start(self, grammar: Grammar) -> RequestGrammar:
+        """A request's grammar at the start of its output; a grammar that does not compile → 400 by name."""
+        matcher = llguidance.LLMatcher(self.lltok, compile_grammar(grammar))
+        if matcher.is_error():
+            raise InvalidRequestError(f"{grammar.kind}: {matcher.get_error()}")
+        return RequestGrammar(matcher, self.lltok.vocab_size, self.vocab_size)
+
+
+class RequestGrammar:
+    """One request's grammar state over its committed output."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, tokenizer_vocab: int, vocab_size: int):
+        self.matcher, self.vocab_size = matcher, vocab_size
+        self._bits = allocate_token_bitmask(1, tokenizer_vocab)  # [1, ⌈V'/32⌉] int32
+
+    def _mask(self) -> torch.Tensor:
+        """[V] bool: the tokens allowed next in the matcher's current state."""
+        fill_next_token_bitmask(self.matcher, self._bits)
+        words = self._bits[0]  # [⌈V'/32⌉] int32, bit j of word w: token 32 w + j
+        bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1  # [⌈V'/32⌉, 32]
+        allowed = bits.flatten().bool()
+        out = torch.zeros(self.vocab_size, dtype=torch.bool)
+        n = min(self.vocab_size, len(allowed))
+        out[:n] = allowed[:n]
+        return out
+
+    def masks(self, drafts: Sequence[int]) -> torch.Tensor:
+        """[ℓ + 1, V] bool: row k allows what the grammar allows after the committed output and drafts[:k]."""
+        rows, consumed = [self._mask()], 0
+        for token in drafts:
+            if not rows[-1][token] or not self.matcher.consume_token(token):
+                break  # forbidden here: its row rejects it, and no later row is read
+            consumed += 1
+            rows.append(self._mask())
+        rows.extend(rows[-1:] * (len(drafts) + 1 - len(rows)))
+        if consumed:
+            self.matcher.rollback(consumed)
+        return torch.stack(rows)
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """The tokens a cycle emitted (each allowed by its masked row; past a complete grammar only EOS is, which
+        an `ignore_eos` request keeps generating and the grammar need not read)."""
+        for token in tokens:
+            if self.matcher.is_stopped():
+                return
+            if not self.matcher.consume_token(token):
+                raise RuntimeError(f"grammar refused emitted token {token}: {self.matcher.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: nothing but EOS may follow."""
+        return self.matcher.is_stopped()

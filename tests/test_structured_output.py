@@ -1,0 +1,137 @@
+"""Structured output (services/grammar.py) inside verification: each verified row masked by the grammar state after
+that row's own output, so constrained speculative output is constrained plain output token for token; the state
+rolls back with rejected drafts; a constraint that does not compile is refused by name. Real parts: llguidance,
+target v2 and its shipped DSpark drafter."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+import torch
+from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+from drafter_worker.checkpoint import load_drafter
+from drafter_worker.drafter import Drafter
+from router.offline import GenerationRequest, LocalRouter
+from router.scheduling.policy import Policy
+from services.errors import InvalidRequestError
+from services.grammar import GrammarTokenizer, compile_grammar
+from services.loader import load_model
+from services.registry import resolve_model
+from services.tokenizer import TextTokenizer
+from services.types import DraftBlock, Grammar, SamplingParams
+from tests.conftest import make_engine
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "count": {"type": "integer"}},
+          "required": ["name", "count"], "additionalProperties": False}
+GRAMMARS = [Grammar("json_schema", json.dumps(SCHEMA)), Grammar("regex", r"(yes|no), because [a-z ]{1,30}\."),
+            Grammar("choice", json.dumps(["print", "return", "yield"])),
+            Grammar("grammar", 'start: "def " NAME "(" NAME "):"\nNAME: /[a-z_]{1,8}/')]
+PROMPTS = ["<|user|>\nGive me a JSON object with a name and a count.<|end|>\n<|assistant|>\n", "def parse(",
+           "The answer is"]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model(resolve_model("dspark-target-v2"), "float32", "cpu")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return TextTokenizer.from_dir(resolve_model("dspark-target-v2"))
+
+
+def _requests(tok, grammar, temperature=0.0, n=1):
+    return [GenerationRequest(f"r{i}-{j}", tok.encode(p), SamplingParams(temperature=temperature, seed=j,
+                                                                         max_tokens=40, grammar=grammar),
+                              stop_token_ids=tok.eos_token_ids)
+            for i, p in enumerate(PROMPTS) for j in range(n)]
+
+
+def test_row_masks_equal_a_matcher_walked_token_by_token(target, tok):
+    gt = GrammarTokenizer(target.source_dir, target.config.vocab_size)
+    grammar = gt.start(GRAMMARS[0])
+    committed = tok.encode('{"name": "ab', add_special_tokens=False)
+    grammar.commit(committed)
+    drafts = [*tok.encode('cd", "count": 7}', add_special_tokens=False), 17, 18]  # the last two: not JSON
+    masks = grammar.masks(drafts)
+    assert masks.shape == (len(drafts) + 1, target.config.vocab_size)
+    for k in range(len(drafts) + 1):
+        ref = llguidance.LLMatcher(gt.lltok, compile_grammar(GRAMMARS[0]))
+        prefix = committed + drafts[:k]
+        if not all(ref.consume_token(t) for t in prefix):
+            break  # rows past a forbidden draft are never read
+        words = allocate_token_bitmask(1, gt.lltok.vocab_size)
+        fill_next_token_bitmask(ref, words)  # a fresh matcher walked to this row's output, token by token
+        bits = torch.tensor([bool((int(words[0, t // 32]) >> (t % 32)) & 1) for t in range(target.config.vocab_size)])
+        assert torch.equal(masks[k], bits), f"row {k}"
+        assert all(bool(bits[t]) == (ref.validate_tokens([t]) == 1) for t in drafts[k:k + 1])  # the draft it decides
+    again = grammar.masks([])  # rolled back: the state is the committed output's
+    assert torch.equal(again[0], masks[0])
+
+
+class _Junk:
+    """A drafter that drafts the target's next tokens from its own greedy run, then garbage: some drafts the
+    grammar forbids, some it allows but the target does not pick."""
+
+    def __init__(self, seed=0):
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def commit(self, *_):
+        pass
+
+    def release(self, _):
+        pass
+
+    def propose(self, contexts, gamma, params=None):
+        return {rid: DraftBlock(tokens=torch.randint(1, 8192, (gamma,), generator=self.gen).tolist())
+                for rid in contexts}
+
+
+@pytest.mark.parametrize("grammar", GRAMMARS, ids=[g.kind.value for g in GRAMMARS])
+def test_constrained_speculative_greedy_is_constrained_plain_and_valid(target, tok, grammar):
+    plain = LocalRouter(make_engine(target, max_len=256)).generate(_requests(tok, grammar))
+    drafter, _ = load_drafter("dspark-target-v2-dspark", target, "float32")
+    for proposer in (Drafter(drafter), _Junk()):
+        engine = make_engine(target, max_len=256)
+        spec = LocalRouter(engine, proposer, Policy.FIXED, 5).generate(_requests(tok, grammar))
+        assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    matcher = llguidance.LLMatcher(GrammarTokenizer(target.source_dir, target.config.vocab_size).lltok,
+                                   compile_grammar(grammar))
+    for result in plain:
+        ids = [t for t in result.token_ids if t not in tok.eos_token_ids]
+        matcher.reset()
+        assert all(matcher.consume_token(t) for t in ids), tok.decode(ids)
+        if result.token_ids[-1] in tok.eos_token_ids:  # finished: the grammar was complete
+            assert matcher.is_accepting(), tok.decode(ids)
+    if grammar.kind == "json_schema":
+        done = [r for r in plain if r.token_ids[-1] in tok.eos_token_ids]
+        assert done and all(set(json.loads(tok.decode(r.token_ids[:-1]))) == {"name", "count"} for r in done)
+
+
+def test_sampled_constrained_output_stays_inside_the_grammar_under_speculation(target, tok):
+    drafter, _ = load_drafter("dspark-target-v2-dspark", target, "float32")
+    grammar = GRAMMARS[1]
+    spec = LocalRouter(make_engine(target, max_len=256, num_slots=8), Drafter(drafter), Policy.FIXED, 5).generate(
+        _requests(tok, grammar, temperature=1.0, n=3))
+    matcher = llguidance.LLMatcher(GrammarTokenizer(target.source_dir, target.config.vocab_size).lltok,
+                                   compile_grammar(grammar))
+    for result in spec:
+        matcher.reset()
+        assert all(matcher.consume_token(t) for t in result.token_ids if t not in tok.eos_token_ids)
+
+
+@pytest.mark.parametrize(("grammar", "message"), [
+    (Grammar("json_schema", '{"type": "object", "properties": '), "json_schema"),
+    (Grammar("regex", "(unclosed"), "regex"),
+    (Grammar("choice", '"not a list"'), "choice"),
+    (Grammar("grammar", "start: undefined_rule"), "grammar"),
+])
+def test_a_constraint_that_does_not_compile_is_refused_by_name(target, grammar, message):
+    engine = make_engine(target)
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.add_request("bad", [1, 2, 3], SamplingParams(grammar=grammar))
+    assert engine.num_waiting == 0  # nothing admitted
