@@ -29,6 +29,11 @@ from services.tokenizer import TextTokenizer
 from services.types import Grammar, GrammarKind
 
 
+# JSON as json.dumps writes it: ", " and ": " between items, no other whitespace — else a model may pad an object
+# with newlines until max_tokens (llguidance's default allows any run of it). A schema's own "x-guidance" wins.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 @functools.lru_cache(maxsize=4)
 def _tokenizer(tokenizer_json: str, eos: tuple[int, ...]) -> llguidance.LLTokenizer:
     return llguidance.LLTokenizer(tokenizer_json, eos_token=list(eos))
@@ -38,7 +43,7 @@ def compile_grammar(grammar: Grammar) -> str:
     """The request's constraint → llguidance's grammar; a constraint it cannot read is refused by name."""
     try:
         if grammar.kind is GrammarKind.JSON_SCHEMA:
-            return llguidance.LLMatcher.grammar_from_json_schema(grammar.text)
+            return llguidance.LLMatcher.grammar_from_json_schema(grammar.text, defaults=JSON_LAYOUT)
         if grammar.kind is GrammarKind.REGEX:
             return llguidance.LLMatcher.grammar_from_regex(grammar.text)
         if grammar.kind is GrammarKind.CHOICE:

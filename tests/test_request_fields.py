@@ -5,6 +5,9 @@ counted — or refused by name with strict fields."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import httpx
 import pytest
 
@@ -16,10 +19,12 @@ from services.tokenizer import TextTokenizer
 from tests.tiers import TARGET, api_server, verifier_settings
 
 BASE = {"model": TARGET, "prompt": "def fibonacci(n):", "max_tokens": 6, "temperature": 0}
-CHANGES_OUTPUT = {"structured_outputs": {"regex": "a+"},
-                  "top_n_sigma": 1.0, "logits_processors": ["x"], "typical_p": 0.5, "functions": [{"name": "f"}],
-                  "function_call": "auto", "regex": "a+", "json_schema": "{}", "ebnf": "root ::= 'a'",
-                  "response_format": {"type": "json_object"}, "tools": [{"type": "function"}]}
+CHANGES_OUTPUT = {"top_n_sigma": 1.0, "logits_processors": ["x"], "typical_p": 0.5, "functions": [{"name": "f"}],
+                  "function_call": "auto", "tools": [{"type": "function"}]}
+# Every structured-output field, each asking for the same language: one or more "ab", then "!".
+STRUCTURED = {"structured_outputs": {"regex": "(ab)+!"}, "guided_regex": "(ab)+!", "regex": "(ab)+!",
+              "guided_grammar": 'start: ("ab")+ "!"', "ebnf": 'root ::= ("ab")+ "!"',
+              "structured_outputs.grammar": {"grammar": 'start: ("ab")+ "!"'}}
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +117,67 @@ def test_unknown_fields_are_counted_or_refused_and_no_op_fields_pass(servers):
         "model": TARGET, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "frobnicate": 3})
     assert refused.status_code == 400 and "'frobnicate'" in refused.json()["error"]["message"]
     assert refused.json()["error"]["param"] == "frobnicate"
+
+
+@pytest.mark.parametrize("name", sorted(STRUCTURED))
+def test_every_structured_output_field_constrains_the_output(servers, name):
+    field = name.split(".")[0]
+    body = {**BASE, "max_tokens": 24, field: STRUCTURED[name]}
+    r = httpx.post(servers[0] + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert re.fullmatch(r"(ab)+!", choice["text"]) if choice["finish_reason"] == "stop" else \
+        re.fullmatch(r"(ab)*a?", choice["text"]), choice
+
+
+def test_json_schema_and_choice_through_chat(servers):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    chat = {"model": TARGET, "messages": [{"role": "user", "content": "Give a number."}], "max_tokens": 24,
+            "temperature": 0}
+    for fmt in ({"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}},
+                {"type": "json_object"}):
+        out = httpx.post(servers[0] + "/v1/chat/completions", json={**chat, "response_format": fmt}).json()
+        choice = out["choices"][0]
+        if choice["finish_reason"] == "stop":
+            value = json.loads(choice["message"]["content"])
+            assert isinstance(value, dict) and (fmt["type"] == "json_object" or set(value) == {"n"})
+    picked = httpx.post(servers[0] + "/v1/chat/completions",
+                        json={**chat, "guided_choice": ["yes", "no"]}).json()["choices"][0]["message"]["content"]
+    assert picked in ("yes", "no")
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"regex": "a+", "guided_regex": "b+"}, "guided_regex, regex"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs.choice, structured_outputs.regex"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structural_tag"),
+    ({"response_format": {"type": "json_schema"}}, "needs its json_schema"),
+    ({"regex": "(unclosed"}, "regex"),
+    ({"json_schema": '{"type": "object", "properties": '}, "json_schema"),
+])
+def test_a_bad_or_doubled_constraint_is_refused_by_name(servers, body, message):
+    r = httpx.post(servers[0] + "/v1/completions", json={**BASE, **body})
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
+def test_the_openai_sdks_parse_gets_its_pydantic_model_back(servers):
+    """`client.chat.completions.parse(response_format=<pydantic model>)`, unmodified: the SDK sends a strict JSON
+    schema; the output is an instance of the model (or cut by max_tokens, which the SDK reports)."""
+    import openai
+    import pydantic
+
+    class Answer(pydantic.BaseModel):  # bounded, so a toy model's answer ends inside max_tokens
+        word: str = pydantic.Field(max_length=8)
+        count: int = pydantic.Field(ge=0, le=99)
+
+    client = openai.OpenAI(base_url=servers[0] + "/v1", api_key="none")
+    done = 0
+    for question in ("Count the letters of a word.", "Name a word and its length.", "Say a word."):
+        try:
+            out = client.chat.completions.parse(model=TARGET, messages=[{"role": "user", "content": question}],
+                                                response_format=Answer, max_tokens=64, temperature=0)
+        except openai.LengthFinishReasonError:
+            continue  # cut inside the object: an honest finish_reason length
+        assert isinstance(out.choices[0].message.parsed, Answer)
+        done += 1
+    assert done, "no answer finished inside 64 tokens"

@@ -2,11 +2,12 @@
 
 No field that changes the output is silently ignored. The fields of OpenAI, vLLM and SGLang that would change
 what is generated and are not served yet are refused by name unless they carry their no-op value (`UNSERVED`).
-A field nobody here knows is kept aside (`unknown_fields`): the API names it in its log and in the counter
-`dspark:ignored_request_fields_total`, and refuses it by name when started with strict fields; the fields
-known to change nothing (`NO_OP_FIELDS`: `user`, `metadata`, …) just work. Values we do support are type- and
-range-checked here, in the types where the OpenAPI schema can show the bound, and pydantic's errors become
-OpenAI-shaped 400s in `router/api/errors.py`.
+Structured output (`response_format`, vLLM's `structured_outputs` and `guided_*`, SGLang's `regex` /
+`json_schema` / `ebnf`) is read by `router/api/structured.py`. A field nobody here knows is kept aside
+(`unknown_fields`): the API names it in its log and in the counter `dspark:ignored_request_fields_total`, and
+refuses it by name when started with strict fields; the fields known to change nothing (`NO_OP_FIELDS`: `user`,
+`metadata`, …) just work. Values we do support are type- and range-checked here, in the types where the OpenAPI
+schema can show the bound, and pydantic's errors become OpenAI-shaped 400s in `router/api/errors.py`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 
 from protos.validate import MAX_STOP_STRINGS
 from protos.validate import MIN_TEMPERATURE as GREEDY_BELOW
+from router.api.structured import StructuredFields
 from services.types import (
     MAX_ALLOWED_TOKENS,
     MAX_BAD_WORDS,
@@ -71,11 +73,9 @@ class SpeculativeOptions(_Body):
 # Fields of OpenAI, vLLM and SGLang that change the output and are not served yet, with the value that asks for
 # nothing (accepted as such; so are null, [] and {}).
 UNSERVED = {"use_beam_search": False, "length_penalty": 1.0,
-            "suffix": None, "response_format": None, "tools": None, "tool_choice": None, "guided_json": None,
-            "guided_regex": None, "guided_choice": None, "guided_grammar": None, "prompt_logprobs": None,
-            "structured_outputs": None, "top_n_sigma": -1.0,
+            "suffix": None, "tools": None, "tool_choice": None, "prompt_logprobs": None, "top_n_sigma": -1.0,
             "logits_processors": None, "typical_p": 1.0, "functions": None, "function_call": None,
-            "regex": None, "json_schema": None, "ebnf": None, "continue_final_message": False,
+            "continue_final_message": False,
             "chat_template": None, "chat_template_kwargs": None, "return_tokens_as_token_ids": False,
             "spaces_between_special_tokens": True}
 # Fields that change nothing a model generates (bookkeeping, routing hints, client ids): accepted, not counted.
@@ -84,7 +84,7 @@ NO_OP_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "request_
                           "stream_interval", "lora_path", "return_hidden_states", "custom_params"})
 
 
-class _Common(_Body):
+class _Common(_Body, StructuredFields):
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -129,6 +129,11 @@ class _Common(_Body):
         """Fields of the request that no model here reads and that are not known to change nothing."""
         return sorted(k for k in (self.model_extra or {}) if k not in UNSERVED and k not in NO_OP_FIELDS)
 
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        self.grammar()  # two structured-output constraints, or a malformed one: refused here, by name
+        return self
+
     @field_validator("temperature")
     @classmethod
     def _greedy_when_tiny(cls, v):
@@ -164,7 +169,7 @@ class _Common(_Body):
                               frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                               min_p=self.min_p, min_tokens=self.min_tokens, logit_bias=bias, logprobs=logprobs,
                               allowed_token_ids=tuple(self.allowed_token_ids or ()),
-                              prompt_logprobs=prompt_logprobs)
+                              prompt_logprobs=prompt_logprobs, grammar=self.grammar())
 
 
 class CompletionRequest(_Common):
