@@ -28,7 +28,6 @@ from services.errors import InvalidRequestError
 from services.tokenizer import TextTokenizer
 from services.types import Grammar, GrammarKind
 
-
 # JSON as json.dumps writes it: ", " and ": " between items, no other whitespace — else a model may pad an object
 # with newlines until max_tokens (llguidance's default allows any run of it). A schema's own "x-guidance" wins.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
