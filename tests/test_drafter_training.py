@@ -109,6 +109,8 @@ def test_a_cut_cache_build_resumes_at_its_first_missing_shard(caches, tmp_path):
     kept = (out / "shard-000" / "taps.npy").stat().st_mtime_ns
     shutil.rmtree(out / "shard-001")  # cut while building shard 1 (its .partial never renamed)
     (out / "shard-001.partial").mkdir()
+    assert target_cache.build(target, records, out, target="tiny", batch=2, shard_sequences=2, only={2}) is None
+    assert (out / "shard-002").is_dir() and not (out / "shard-001").exists()  # a second process's share
     target_cache.build(target, records, out, target="tiny", batch=2, shard_sequences=2)  # and a record more
     assert (out / "shard-000" / "taps.npy").stat().st_mtime_ns == kept  # a complete shard is not rebuilt
     assert not (out / "shard-001.partial").exists()

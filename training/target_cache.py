@@ -48,23 +48,26 @@ SHARD_SEQUENCES = 1000  # sequences per shard: the unit a cut build resumes from
 
 @torch.no_grad()
 def build(model: CausalLM, records: list[dict], out_dir: Path, target: str, batch: int = 8,
-          shard_sequences: int = SHARD_SEQUENCES) -> dict:
+          shard_sequences: int = SHARD_SEQUENCES, only: set[int] | None = None) -> dict | None:
     """Run the target over every (prompt, response) record and write the cache to `out_dir`: shards of
     `shard_sequences` records in the rollouts' order, each written to `.partial` and renamed, so a cut build
     resumes at its first missing shard (a shard is kept only while it holds the same records); the manifest,
-    last, lists them."""
+    last, lists them. `only`: build just these shard numbers (processes may share a build) and write the
+    manifest only if every shard is then there (else None)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     records = [r for r in records if len(r["response_ids"]) >= 2]
-    shards = []
-    for number, first in enumerate(range(0, len(records), shard_sequences)):
-        part, shard = records[first : first + shard_sequences], out_dir / f"shard-{number:03d}"
-        if not _holds(shard, part):
+    parts = [(n, records[first : first + shard_sequences], out_dir / f"shard-{n:03d}")
+             for n, first in enumerate(range(0, len(records), shard_sequences))]
+    for number, part, shard in parts:
+        if (only is None or number in only) and not _holds(shard, part):
             partial = shard.with_name(shard.name + ".partial")
             shutil.rmtree(partial, ignore_errors=True)
             _build_shard(model, part, partial, target, batch)
             shutil.rmtree(shard, ignore_errors=True)
             partial.rename(shard)
-        shards.append(json.loads((shard / "manifest.json").read_text()))
+    if not all(_holds(shard, part) for _, part, shard in parts):
+        return None  # another process builds the rest
+    shards = [json.loads((shard / "manifest.json").read_text()) for _, _, shard in parts]
     manifest = {"version": 2, "target": target, "tap_layers": list(model.tap_layers),
                 "hidden_size": model.config.hidden_size, "sequences": len(records),
                 "tokens": sum(m["tokens"] for m in shards),
