@@ -135,3 +135,52 @@ def test_a_constraint_that_does_not_compile_is_refused_by_name(target, grammar, 
     with pytest.raises(InvalidRequestError, match=message):
         engine.add_request("bad", [1, 2, 3], SamplingParams(grammar=grammar))
     assert engine.num_waiting == 0  # nothing admitted
+
+
+class _SampledJunk(_Junk):
+    """Drafts random tokens with a flat q over a few of them: the residual path runs often."""
+
+    def propose(self, contexts, gamma, params=None):
+        out = {}
+        for rid in contexts:
+            ids = torch.randint(1, 8192, (gamma, 4), generator=self.gen)
+            q = torch.full((gamma, 4), 0.25)
+            out[rid] = DraftBlock(tokens=ids[:, 0].tolist(), q_ids=ids, q_probs=q)
+        return out
+
+
+@pytest.mark.slow
+def test_sampled_constrained_speculative_output_follows_the_masked_target(target, tok):
+    """χ² of the first and second tokens at T = 1 against the exact masked target distribution, with drafts the
+    grammar forbids, allows and prefers."""
+    from scipy.stats import chisquare
+
+    from services.grammar import RequestGrammar
+
+    grammar, n, vocab = Grammar("regex", "[a-d]{1,3}-[a-d]{1,3}"), 1500, target.config.vocab_size
+    gt = GrammarTokenizer(target.source_dir, vocab)
+    prompt = tok.encode("Pick letters:")
+    reqs = [GenerationRequest(f"r{i}", prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=2, grammar=grammar))
+            for i in range(n)]
+    engine = make_engine(target, num_slots=64, max_len=32, max_batch_tokens=512, max_waiting=4096)
+    out = LocalRouter(engine, _SampledJunk(), Policy.FIXED, 3).generate(reqs)
+
+    def masked(prefix: list[int]) -> torch.Tensor:
+        state: RequestGrammar = gt.start(grammar)
+        state.commit(prefix)
+        logits = target.forward_dense(torch.tensor([prompt + prefix])).logits[0, -1].float()
+        return logits.masked_fill(~state.masks([])[0], float("-inf")).softmax(-1)
+
+    with torch.no_grad():
+        p1 = masked([])
+        p2 = torch.zeros(vocab, dtype=torch.float64)
+        for t1 in p1.nonzero()[:, 0].tolist():
+            p2 += float(p1[t1]) * masked([t1]).double()
+    for expected, observed in ((p1.double(), [r.token_ids[0] for r in out]), (p2, [r.token_ids[1] for r in out])):
+        counts = torch.bincount(torch.tensor(observed), minlength=vocab).double()
+        assert counts[expected == 0].sum() == 0, "a token the grammar forbids"
+        keep = expected * n >= 5
+        obs, exp = counts[keep].tolist(), (expected[keep] * n).tolist()
+        if expected[~keep].sum() > 0:
+            obs, exp = [*obs, float(counts[~keep].sum())], [*exp, float(expected[~keep].sum() * n)]
+        assert chisquare(obs, [e * sum(obs) / sum(exp) for e in exp]).pvalue > 1e-3
