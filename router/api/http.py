@@ -155,7 +155,7 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
         reqs = [r for group in groups for r in group]
         shape = ResponseShape(kind, f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{request.state.request_id}",
                               config.model, tokenizer, body.wants_logprobs(),
-                              isinstance(body, CompletionRequest) and body.echo)
+                              isinstance(body, CompletionRequest) and body.echo, admit.tool_use(body))
         op = "text_completion" if kind == "completion" else "chat"
         span = tracer.start_span(f"{op} {config.model}", attributes={
             "gen_ai.operation.name": op, "gen_ai.request.model": config.model, "gen_ai.request.stream": body.stream,
@@ -208,7 +208,9 @@ def build_app(router: Router, tokenizer: TextTokenizer, config: ApiConfig,
                     completion[index] = chunk.completion_tokens
                     # a chunk of tokens whose text is held back still carries their logprobs
                     if chunk.text or chunk.finish_reason is not None or (shape.fmt and chunk.token_ids):
-                        yield json.dumps(shape.chunk(chunk, reqs[index].prompt_ids, index))
+                        piece = shape.chunk(chunk, reqs[index].prompt_ids, index)
+                        if piece is not None:  # None: held back (a reply read whole for tool calls)
+                            yield json.dumps(piece)
             except Exception as error:
                 status, error_chunk = known_error(error)
                 if status == 500:

@@ -12,6 +12,7 @@ import dataclasses
 from router.api.admission import Admission
 from router.api.errors import ApiError
 from router.api.openai import MAX_BATCH, ChatCompletionRequest, CompletionRequest
+from router.api.tools import ToolUse, family_of
 from router.router import Router
 from router.session import PrefixShare, RouterRequest
 from services.tokenizer import TextTokenizer
@@ -36,6 +37,9 @@ class HttpAdmission:
         for i, prompt_ids in enumerate(prompts):
             max_tokens = self.admit.max_tokens(body.wanted_tokens(), len(prompt_ids), body.prompt_param)
             params = body.sampling(max_tokens)
+            use = self.tool_use(body)
+            if use is not None and use.grammar() is not None:  # a call is required: the reply is masked to one
+                params = dataclasses.replace(params, grammar=use.grammar())
             if body.bad_words:
                 params = dataclasses.replace(params, bad_words=self.admit.bad_words(body.bad_words))
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
@@ -52,10 +56,20 @@ class HttpAdmission:
             groups.append(group)
         return groups
 
+    def tool_use(self, body: CompletionRequest | ChatCompletionRequest) -> ToolUse | None:
+        """The chat request's tools in the model's family (router/api/tools.py); None without tools or with
+        tool_choice none."""
+        if not isinstance(body, ChatCompletionRequest) or body.tool_mode() == "none":
+            return None
+        return ToolUse(list(body.tools), family_of(self.admit.tokenizer.chat_template), body.tool_mode(),
+                       body.parallel_tool_calls)
+
     def _prompts(self, body: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
         """Each prompt's ids as the model sees them, cut to their last `truncate_prompt_tokens` (vLLM's rule)."""
         if isinstance(body, ChatCompletionRequest):
-            prompts = [self.admit.encode_chat([m.as_turn() for m in body.messages])]
+            family, use = family_of(self.admit.tokenizer.chat_template), self.tool_use(body)
+            turns = [m.as_turn(family) for m in body.messages]
+            prompts = [self.admit.encode_chat(turns if use is None else use.offer(turns))]
         else:
             prompts = [self.admit.encode(p, "prompt", body.add_special_tokens) if isinstance(p, str)
                        else self.admit.token_ids(p, "prompt") for p in body.prompts()]

@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from protos.validate import MAX_STOP_STRINGS
 from protos.validate import MIN_TEMPERATURE as GREEDY_BELOW
 from router.api.structured import StructuredFields
+from router.api.tools import FAMILIES, Family, ToolCall, ToolFields, tool_result, written_calls
 from services.types import (
     MAX_ALLOWED_TOKENS,
     MAX_BAD_WORDS,
@@ -72,7 +73,7 @@ class SpeculativeOptions(_Body):
 
 # Fields of OpenAI, vLLM and SGLang that change the output and are not served yet, with the value that asks for
 # nothing (accepted as such; so are null, [] and {}).
-UNSERVED = {"use_beam_search": False, "length_penalty": 1.0,
+UNSERVED = {"use_beam_search": False, "length_penalty": 1.0,  # (a body that declares one of them reads it)
             "suffix": None, "tools": None, "tool_choice": None, "prompt_logprobs": None, "top_n_sigma": -1.0,
             "logits_processors": None, "typical_p": 1.0, "functions": None, "function_call": None,
             "continue_final_message": False,
@@ -80,7 +81,7 @@ UNSERVED = {"use_beam_search": False, "length_penalty": 1.0,
             "spaces_between_special_tokens": True}
 # Fields that change nothing a model generates (bookkeeping, routing hints, client ids): accepted, not counted.
 NO_OP_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "request_id", "priority", "prediction",
-                          "modalities", "parallel_tool_calls", "cache_salt", "kv_transfer_params", "rid",
+                          "modalities", "cache_salt", "kv_transfer_params", "rid",
                           "stream_interval", "lora_path", "return_hidden_states", "custom_params"})
 
 
@@ -121,7 +122,7 @@ class _Common(_Body, StructuredFields):
     def _refuse_unserved(cls, data):
         if isinstance(data, dict):
             for name, noop in UNSERVED.items():
-                if name in data and data[name] not in (None, noop, [], {}):
+                if name in data and name not in cls.model_fields and data[name] not in (None, noop, [], {}):
                     raise ValueError(f"{name} is not supported (only {noop!r})")
         return data
 
@@ -228,10 +229,23 @@ class TextPart(_Body):
 
 class ChatMessage(_Body):
     """`content` as a string or as text parts (what vLLM's chat benchmark and guidellm send); `developer` is
-    OpenAI's newer name of the system role; a `tool` message's content is given to the model as a user turn."""
+    OpenAI's newer name of the system role; an assistant turn may carry the `tool_calls` it made (then its content
+    may be null), and a `tool` message's content — a call's result — is given to the model as a user turn, in the
+    words of the model's tool-call family (router/api/tools.py)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: TokenizedText | Annotated[list[TextPart], Field(min_length=1)]
+    content: TokenizedText | Annotated[list[TextPart], Field(min_length=1)] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -243,13 +257,18 @@ class ChatMessage(_Body):
                     raise ValueError(f"content part of type {kind!r} is not supported (only text)")
         return v
 
-    def as_turn(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+    def as_turn(self, family: Family = FAMILIES["json"]) -> dict[str, str]:
+        text = (self.content if isinstance(self.content, str) or self.content is None
+                else "".join(p.text for p in self.content)) or ""
+        if self.tool_calls:
+            text += written_calls(self.tool_calls, family)
+        if self.role == "tool":
+            text = tool_result(text, family)
         role = {"developer": "system", "tool": "user"}.get(self.role, self.role)
         return {"role": role, "content": text}
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(_Common, ToolFields):
     model_config = ConfigDict(strict=True, extra="allow")  # unknown fields kept to be named (`unknown_fields`)
     add_special_tokens: Literal[False] = Field(False, description="the chat template writes the special tokens; "
                                                "true (a second BOS, in vLLM) is refused")
@@ -264,6 +283,8 @@ class ChatCompletionRequest(_Common):
     def _top_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:  # OpenAI's rule
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.tool_mode() not in ("none", "auto") and self.grammar() is not None:
+            raise ValueError("tool_choice that forces a call and a structured-output constraint: one of them")
         return self
 
     def logprob_counts(self) -> tuple[int | None, int | None]:

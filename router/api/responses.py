@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from router.api.logprobs import LogprobFormat
+from router.api.tools import ToolCall, ToolUse
 from router.session import Chunk
 from services.tokenizer import TextTokenizer
 from services.types import TokenLogprobs
@@ -40,7 +41,8 @@ class CompletionChoice(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null when the reply is tool calls only
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -125,9 +127,12 @@ class ResponseShape:
     """Builds the response and stream-chunk bodies of one request (completion or chat)."""
 
     def __init__(self, kind: Literal["completion", "chat"], request_id: str, model: str, tokenizer: TextTokenizer,
-                 logprobs: bool = False, echo: bool = False):
-        """`logprobs`: the request asks for them; `echo`: completions with the prompt before the output."""
+                 logprobs: bool = False, echo: bool = False, tools: ToolUse | None = None):
+        """`logprobs`: the request asks for them; `echo`: completions with the prompt before the output; `tools`:
+        a chat reply is read for tool calls (streamed: held back and sent whole with the finish)."""
         self.kind, self.id, self.model, self.tokenizer, self.echo = kind, request_id, model, tokenizer, echo
+        self.tools = tools
+        self._held: dict[int, Output] = {}  # streamed choices held back to be read for tool calls
         self.fmt = LogprobFormat(tokenizer) if logprobs else None
         self.created = int(time.time())
         self._started: set[int] = set()  # streamed choices that sent their first chunk (role, echo)
@@ -150,15 +155,30 @@ class ResponseShape:
             choices = [self._completion(i, out, 0, self.echo) for i, out in enumerate(outputs)]
             body = self._envelope("text_completion", choices)
         else:
-            choices = [{"index": i, "message": {"role": "assistant", "content": out.text},
+            choices = [{"index": i, "message": {"role": "assistant", **self._reply(out)},
                         "logprobs": None if self.fmt is None else self.fmt.chat(out.token_ids, out.logprobs),
-                        "finish_reason": out.finish} for i, out in enumerate(outputs)]
+                        "finish_reason": self._finish(out)} for i, out in enumerate(outputs)]
             body = self._envelope("chat.completion", choices)
         body["usage"] = usage(prompt_tokens, completion_tokens)
         return body
 
-    def chunk(self, chunk: Chunk, prompt_ids: list[int], index: int = 0) -> dict:
-        """The stream chunk of choice `index` (its first also carries the role, or the echoed prompt)."""
+    def _reply(self, out: Output) -> dict:
+        """A chat message's content, and its tool calls when the request offered tools and the reply made some."""
+        if self.tools is None:
+            return {"content": out.text}
+        content, calls = self.tools.parse(out.text)
+        return {"content": content, "tool_calls": [c.model_dump() for c in calls]} if calls else {"content": out.text}
+
+    def _finish(self, out: Output) -> str | None:
+        if self.tools is not None and out.finish == "stop" and self.tools.parse(out.text)[1]:
+            return "tool_calls"
+        return out.finish
+
+    def chunk(self, chunk: Chunk, prompt_ids: list[int], index: int = 0) -> dict | None:
+        """The stream chunk of choice `index` (its first also carries the role, or the echoed prompt); None while
+        a reply that may be a tool call is held back."""
+        if self.kind == "chat" and self.tools is not None:
+            return self._held_chunk(chunk, prompt_ids, index)
         out = Output(prompt_ids)
         out.add(chunk)
         first = index not in self._started
@@ -171,6 +191,21 @@ class ResponseShape:
         logprobs = None if self.fmt is None else self.fmt.chat(out.token_ids, out.logprobs)
         return self._envelope("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": logprobs,
                                                          "finish_reason": out.finish}])
+
+    def _held_chunk(self, chunk: Chunk, prompt_ids: list[int], index: int) -> dict | None:
+        """With tools, a choice's reply is read whole: one delta at its finish (OpenAI's shape: the role, the
+        content or the calls with their index, id, type and function), which the openai SDK assembles."""
+        out = self._held.setdefault(index, Output(prompt_ids))
+        out.add(chunk)
+        if out.finish is None:
+            return None
+        reply = self._reply(out)
+        delta: dict = {"role": "assistant", "content": reply["content"]}
+        if "tool_calls" in reply:
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(reply["tool_calls"])]
+        logprobs = None if self.fmt is None else self.fmt.chat(out.token_ids, out.logprobs)
+        return self._envelope("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": logprobs,
+                                                         "finish_reason": self._finish(out)}])
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
