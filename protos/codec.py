@@ -77,6 +77,7 @@ def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
         stop_token_ids=p.stop_token_ids, logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs,
         allowed_token_ids=p.allowed_token_ids, bad_words=[pb.TokenIds(ids=w) for w in p.bad_words],
         grammar=None if p.grammar is None else pb.Grammar(kind=p.grammar.kind.value, text=p.grammar.text),
+        typical_p=p.typical_p,
     )
 
 
@@ -92,6 +93,7 @@ def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         allowed_token_ids=tuple(msg.allowed_token_ids), bad_words=tuple(tuple(w.ids) for w in msg.bad_words),
         grammar=_grammar_from_pb(msg.grammar) if msg.HasField("grammar") else None,
+        typical_p=msg.typical_p or 1.0,
     )
 
 

@@ -29,8 +29,10 @@ def logits_to_probs(
     top_k: torch.Tensor,  # [M] int64; 0 = off
     top_p: torch.Tensor,  # [M] fp32; 1 = off
     min_p: torch.Tensor | None = None,  # [M] fp32; 0 = off
+    typical_p: torch.Tensor | None = None,  # [M] fp32; 1 = off
 ) -> torch.Tensor:
-    """[M, V] fp32 probabilities after temperature, then min-p, then top-k, then top-p (vLLM's order)."""
+    """[M, V] fp32 probabilities after temperature, then min-p, then top-k, then top-p (vLLM's order), then
+    locally typical sampling (Hugging Face's `typical_p`, after its top-k and top-p too)."""
     logits = logits.float()
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
@@ -44,11 +46,28 @@ def logits_to_probs(
     elif bool(filtered.any()):  # sort only those rows (each row is filtered on its own: the same bits)
         rows = filtered.nonzero().squeeze(-1)
         scaled = scaled.index_copy(0, rows, _filter_top_k_top_p(scaled[rows], top_k[rows], top_p[rows]))
+    if typical_p is not None and bool(((typical_p < 1) & ~greedy).any()):
+        rows = ((typical_p < 1) & ~greedy).nonzero().squeeze(-1)
+        scaled = scaled.index_copy(0, rows, _filter_typical(scaled[rows], typical_p[rows]))
     probs = torch.softmax(scaled, dim=-1)
     if bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
     return probs
+
+
+def _filter_typical(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Keep the tokens whose surprisal is closest to the distribution's entropy until they hold `mass` [M] of it
+    (Meister et al.; Hugging Face's TypicalLogitsWarper, keeping at least one token)."""
+    logp = logits.log_softmax(-1)  # [M, V]
+    entropy = -(logp * logp.exp()).nansum(-1, keepdim=True)  # [M, 1]; −inf · 0 rows are NaN, dropped
+    shifted = (-logp - entropy).abs()  # [M, V]
+    sorted_shifted, order = shifted.sort(dim=-1)
+    cumulative = logits.gather(-1, order).softmax(-1).cumsum(-1)  # [M, V]
+    last = (cumulative < mass.unsqueeze(-1)).sum(-1, keepdim=True).clamp(max=logits.shape[-1] - 1)  # [M, 1]
+    drop_sorted = sorted_shifted > sorted_shifted.gather(-1, last)
+    drop_sorted[:, 0] = False
+    return logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

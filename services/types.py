@@ -69,6 +69,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # minus penalty × count of the token in the output
     presence_penalty: float = 0.0  # minus penalty once the token is in the output
     min_p: float = 0.0  # drop tokens below min_p × the top probability (after temperature)
+    typical_p: float = 1.0  # locally typical sampling (Hugging Face's typical_p, after top-p); 1 = off
     min_tokens: int = 0  # `stop_token_ids` are masked while fewer output tokens than this exist
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     stop_token_ids: tuple[int, ...] = ()  # what min_tokens masks: the model's EOS (unless ignored) + the request's
@@ -103,6 +104,8 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}")
         if not (0.0 <= self.min_p <= 1.0):
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (0.0 < self.typical_p <= 1.0):
+            raise InvalidRequestError(f"typical_p must be in (0, 1], got {self.typical_p}")
         if self.min_tokens < 0:
             raise InvalidRequestError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:

@@ -19,7 +19,7 @@ from services.tokenizer import TextTokenizer
 from tests.tiers import TARGET, api_server, verifier_settings
 
 BASE = {"model": TARGET, "prompt": "def fibonacci(n):", "max_tokens": 6, "temperature": 0}
-CHANGES_OUTPUT = {"top_n_sigma": 1.0, "logits_processors": ["x"], "typical_p": 0.5, "functions": [{"name": "f"}],
+CHANGES_OUTPUT = {"top_n_sigma": 1.0, "logits_processors": ["x"], "functions": [{"name": "f"}],
                   "function_call": "auto", "tools": [{"type": "function"}]}
 # Every structured-output field, each asking for the same language: one or more "ab", then "!".
 STRUCTURED = {"structured_outputs": {"regex": "(ab)+!"}, "guided_regex": "(ab)+!", "regex": "(ab)+!",
@@ -48,6 +48,8 @@ def test_an_unserved_field_is_refused_by_name(servers, name):
 def test_every_unserved_field_is_covered_and_its_no_op_passes(servers):
     assert set(CHANGES_OUTPUT) <= set(UNSERVED)
     for name, noop in UNSERVED.items():
+        if name in CompletionRequest.model_fields:  # served by this body (echo): its own type and checks
+            continue
         for body in ({**BASE, name: noop}, {**BASE, name: None}):
             CompletionRequest.model_validate(body)  # accepted: asks for nothing
     plain = httpx.post(servers[0] + "/v1/completions", json=BASE).json()["choices"][0]["text"]
@@ -181,3 +183,51 @@ def test_the_openai_sdks_parse_gets_its_pydantic_model_back(servers):
         assert isinstance(out.choices[0].message.parsed, Answer)
         done += 1
     assert done, "no answer finished inside 64 tokens"
+
+
+def test_typical_p_is_honoured(servers):
+    """typical_p near 0 keeps one token a step (the most typical): seeds no longer matter; at 1, they do."""
+    body = {**BASE, "temperature": 1.0, "max_tokens": 12}
+    texts = {typical: {httpx.post(servers[0] + "/v1/completions", json={**body, "seed": seed, "typical_p": typical})
+                       .json()["choices"][0]["text"] for seed in range(4)} for typical in (1e-6, 1.0)}
+    assert len(texts[1e-6]) == 1 and len(texts[1.0]) > 1
+
+
+# The request fields of OpenAI's, vLLM's and SGLang's completions and chat schemas as of 2026-12 (their API
+# references and protocol files), each of which must be honoured (a field of our body), refused by name
+# (UNSERVED) or known to change nothing (NO_OP_FIELDS): none may fall through to "unknown".
+OPENAI_CHAT = {"messages", "model", "audio", "frequency_penalty", "function_call", "functions", "logit_bias",
+               "logprobs", "max_completion_tokens", "max_tokens", "metadata", "modalities", "n",
+               "parallel_tool_calls", "prediction", "presence_penalty", "prompt_cache_key", "reasoning_effort",
+               "response_format", "safety_identifier", "seed", "service_tier", "stop", "store", "stream",
+               "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity",
+               "web_search_options"}
+OPENAI_COMPLETIONS = {"model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs",
+                      "max_tokens", "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix",
+                      "temperature", "top_p", "user"}
+VLLM = {"use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids",
+        "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
+        "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids",
+        "bad_words", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "guided_decoding_backend", "guided_whitespace_pattern", "priority", "request_id", "logits_processors",
+        "return_tokens_as_token_ids", "return_token_ids", "cache_salt", "kv_transfer_params", "vllm_xargs",
+        "add_special_tokens", "response_format", "echo", "add_generation_prompt", "continue_final_message",
+        "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "documents", "top_n_sigma", "typical_p"}
+SGLANG = {"regex", "json_schema", "ebnf", "lora_path", "rid", "session_params", "separate_reasoning",
+          "stream_reasoning", "return_hidden_states", "min_tokens", "top_k", "min_p", "repetition_penalty",
+          "stop_token_ids", "no_stop_trim", "ignore_eos", "skip_special_tokens", "custom_logit_processor",
+          "custom_params", "chat_template_kwargs", "continue_final_message", "bootstrap_host", "bootstrap_port",
+          "bootstrap_room", "data_parallel_rank", "reasoning_effort", "stream_interval"}
+
+
+@pytest.mark.parametrize(("body", "fields"), [(ChatCompletionRequest, OPENAI_CHAT | VLLM | SGLANG),
+                                              (CompletionRequest, OPENAI_COMPLETIONS | VLLM | SGLANG)])
+def test_every_field_of_the_three_schemas_is_honoured_refused_or_a_no_op(body, fields):
+    from router.api.openai import NO_OP_FIELDS
+
+    declared = set(body.model_fields)
+    assert sorted(fields - declared - set(UNSERVED) - NO_OP_FIELDS) == []
+    for name in sorted(set(UNSERVED) - declared):  # refused by name unless asking for nothing
+        with pytest.raises(ValueError, match=name):
+            body.model_validate({"model": TARGET, "messages": [{"role": "user", "content": "hi"}], "prompt": "x",
+                                 name: "something"})

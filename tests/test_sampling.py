@@ -146,3 +146,23 @@ def test_emitted_tokens_follow_the_target_distribution():
     assert _p_value(target, samples) > 1e-3
     # the control shows the test has the power to see a wrong rule
     assert _p_value(target, _generate(target, draft, _no_residual, n=3_000, seed=1)) < 1e-6
+
+
+def test_typical_p_equals_hugging_faces_warper():
+    """Locally typical sampling against transformers' own TypicalLogitsWarper (the reference program), after
+    temperature, per row, rows with typical_p = 1 untouched."""
+    from transformers.generation.logits_process import TypicalLogitsWarper
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=g) * 3
+    logits[1, :10] = float("-inf")  # a row top-k / top-p already cut
+    temps = torch.tensor([1.0, 0.7, 1.3, 1.0])
+    mass = torch.tensor([0.9, 0.5, 0.2, 1.0])
+    got = logits_to_probs(logits, temps, torch.zeros(4, dtype=torch.long), torch.ones(4), None, mass)
+    for r in range(4):
+        scaled = logits[r : r + 1] / temps[r]
+        want = scaled if mass[r] == 1 else TypicalLogitsWarper(float(mass[r]))(None, scaled.clone())
+        torch.testing.assert_close(got[r], want.softmax(-1)[0])
+    assert bool((got[1:3] == 0).any())  # it cut something
+    with pytest.raises(Exception, match="typical_p"):
+        SamplingParams(temperature=1.0, typical_p=0.0)

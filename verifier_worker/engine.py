@@ -302,6 +302,7 @@ class Engine:
             torch.tensor([p.top_k for p in params], device=dev),
             torch.tensor([p.top_p for p in params], device=dev),
             torch.tensor([p.min_p for p in params], device=dev),
+            torch.tensor([p.typical_p for p in params], device=dev),
         )
         return argmax, SampledProbs(probs, first)
 

@@ -75,14 +75,22 @@ class SpeculativeOptions(_Body):
 # nothing (accepted as such; so are null, [] and {}).
 UNSERVED = {"use_beam_search": False, "length_penalty": 1.0,  # (a body that declares one of them reads it)
             "suffix": None, "tools": None, "tool_choice": None, "prompt_logprobs": None, "top_n_sigma": -1.0,
-            "logits_processors": None, "typical_p": 1.0, "functions": None, "function_call": None,
+            "logits_processors": None, "functions": None, "function_call": None,
             "continue_final_message": False,
             "chat_template": None, "chat_template_kwargs": None, "return_tokens_as_token_ids": False,
-            "spaces_between_special_tokens": True}
+            "spaces_between_special_tokens": True,
+            # OpenAI's newer chat fields, and vLLM's / SGLang's that shape the prompt, the text or the reply
+            "audio": None, "verbosity": None, "web_search_options": None, "reasoning_effort": None,
+            "echo": False, "add_generation_prompt": True, "documents": None, "return_token_ids": False,
+            "guided_whitespace_pattern": None, "vllm_xargs": None, "no_stop_trim": False,
+            "custom_logit_processor": None, "separate_reasoning": False, "stream_reasoning": False,
+            "session_params": None}
 # Fields that change nothing a model generates (bookkeeping, routing hints, client ids): accepted, not counted.
 NO_OP_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "request_id", "priority", "prediction",
                           "modalities", "cache_salt", "kv_transfer_params", "rid",
-                          "stream_interval", "lora_path", "return_hidden_states", "custom_params"})
+                          "stream_interval", "lora_path", "return_hidden_states", "custom_params",
+                          "prompt_cache_key", "safety_identifier", "guided_decoding_backend", "mm_processor_kwargs",
+                          "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank"})
 
 
 class _Common(_Body, StructuredFields):
@@ -102,6 +110,7 @@ class _Common(_Body, StructuredFields):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
+    typical_p: float = Field(1.0, gt=0.0, le=1.0, description="locally typical sampling (Hugging Face's rule)")
     min_tokens: int = Field(0, ge=0, lt=2**31)
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
@@ -168,8 +177,8 @@ class _Common(_Body, StructuredFields):
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(0, self.top_k),
                               seed=self.seed, max_tokens=max_tokens, repetition_penalty=self.repetition_penalty,
                               frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-                              min_p=self.min_p, min_tokens=self.min_tokens, logit_bias=bias, logprobs=logprobs,
-                              allowed_token_ids=tuple(self.allowed_token_ids or ()),
+                              min_p=self.min_p, typical_p=self.typical_p, min_tokens=self.min_tokens,
+                              logit_bias=bias, logprobs=logprobs, allowed_token_ids=tuple(self.allowed_token_ids or ()),
                               prompt_logprobs=prompt_logprobs, grammar=self.grammar())
 
 

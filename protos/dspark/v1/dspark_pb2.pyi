@@ -40,7 +40,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids", "logprobs", "prompt_logprobs", "allowed_token_ids", "bad_words", "grammar")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids", "logprobs", "prompt_logprobs", "allowed_token_ids", "bad_words", "grammar", "typical_p")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class SamplingParams(_message.Message):
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    TYPICAL_P_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -82,7 +83,8 @@ class SamplingParams(_message.Message):
     allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     bad_words: _containers.RepeatedCompositeFieldContainer[TokenIds]
     grammar: Grammar
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+    typical_p: float
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., typical_p: _Optional[float] = ...) -> None: ...
 
 class Grammar(_message.Message):
     __slots__ = ("kind", "text")
