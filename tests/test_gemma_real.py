@@ -90,6 +90,35 @@ def test_speculative_greedy_equals_plain(model_dir, tok, fp32, dtype):
     assert _greedy(model, prompts, NgramProposer()) == _greedy(model, prompts)
 
 
+@pytest.mark.parametrize("method", ["dspark", "eagle3"])
+def test_a_draft_vocabulary_drafter_for_gemma_is_lossless_in_bf16(model_dir, tok, method):
+    """A fresh Gemma drafter as training builds it (Llama layers the CPU kernels serve, a draft vocabulary with the
+    target's head rows shared, the Markov head over it): plain greedy output through the engine, drafts inside."""
+    from drafter_worker.checkpoint import build_draft_model
+    from drafter_worker.config import default_config
+    from drafter_worker.drafter import Drafter
+    from training.draft_vocab import frequency_d2t
+
+    model = load_model(model_dir, "bfloat16", tap_layers=(1, 9, 16))
+    prompts = [tok.encode(p) for p in PROMPTS]
+    plain = _greedy(model, prompts)
+    counts = torch.zeros(model.config.vocab_size)
+    counts[torch.tensor([t for ids in plain for t in ids])] = 1.0  # the target's own output, among 4,096 ids
+    d2t = frequency_d2t(counts + torch.rand(model.config.vocab_size) * 0.5, 4096)
+    torch.manual_seed(0)
+    drafter = build_draft_model(default_config(method, MODEL, (1, 9, 16), 4, "markov", len(d2t)), model, d2t=d2t)
+    assert drafter.config.architecture == "LlamaForCausalLM" and drafter.shares_head
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.requires_grad and p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+    proposer = Drafter(drafter.eval())
+    from services import cpu_kernels
+
+    assert proposer.fused or not cpu_kernels.available(torch.bfloat16), "the CPU serving kernels, where they run"
+    assert _greedy(model, prompts, proposer) == plain
+
+
 def test_the_api_agrees_on_what_the_model_sees(tok):
     """Text and token-id prompts, echo and prompt logprobs, chat and /tokenize: one BOS, counted in usage."""
     import httpx
