@@ -93,8 +93,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the engine in both arms")
-    parser.add_argument("--plain-ahead", type=int, default=RouterSettings.model_fields["plain_ahead"].default,
-                        help="the router's plain_ahead (0: one verifier step per call)")
+    parser.add_argument("--plain-depth", type=int, default=RouterSettings.model_fields["plain_depth"].default,
+                        help="the router's plain_depth (0: one verifier step per call)")
     parser.add_argument("--stream-interval", type=int, default=RouterSettings.model_fields["stream_interval"].default,
                         help="the router's stream_interval (tokens per verifier reply of a plain request)")
     parser.add_argument("--drafted", action="store_true", help="also the DSpark arm (a drafter process, 1 thread)")
@@ -109,7 +109,7 @@ def main() -> None:
     drafted = {"drafter": tiers[1].address, "methods": ["dspark"], "method": "dspark", "policy": "fixed"} \
         if args.drafted else {"drafter": None, "method": "none", "policy": "none"}
     router_settings = RouterSettings(model=args.model, port=0, verifier=tiers[0].address, max_model_len=512,
-                                     plain_ahead=args.plain_ahead, stream_interval=args.stream_interval, **drafted)
+                                     plain_depth=args.plain_depth, stream_interval=args.stream_interval, **drafted)
     tiers += start_tiers([("router", router_settings)])
     url = f"http://{tiers[-1].address}"
     arms = {"plain": (Policy.NONE, "none")} | ({"dspark": (Policy.FIXED, "dspark")} if args.drafted else {})
@@ -136,7 +136,7 @@ def main() -> None:
               f"served TTFT {med[f'{name}_served_ttft_ms']:.1f} ms")
     meta = {"machine": cpu_model(), "model": args.model, "threads": args.threads,
             "torch": torch.__version__, "max_tokens": args.max_tokens,
-            "plain_ahead": args.plain_ahead, "stream_interval": args.stream_interval, "prompts": len(PROMPTS),
+            "plain_depth": args.plain_depth, "stream_interval": args.stream_interval, "prompts": len(PROMPTS),
             "dtype": "auto"}
     with open(args.json, "w") as f:
         json.dump({**meta, "medians": med, **ratios, "rounds": per}, f, indent=2)

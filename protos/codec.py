@@ -125,16 +125,16 @@ def logprobs_from_pb(msg: pb.TokenLogprobs, present: bool) -> TokenLogprobs | No
 
 def plain_run_to_pb(plain: PlainRun | None) -> dict:
     """The PrefillRequest (or VerifyRequest) fields of a plain run (none: both 0)."""
-    return {} if plain is None else {"plain_ahead": plain.depth, "stream_interval": plain.interval}
+    return {} if plain is None else {"plain_depth": plain.depth, "stream_interval": plain.interval}
 
 
 def plain_run_from_pb(msg: pb.PrefillRequest | pb.VerifyRequest) -> PlainRun | None:
-    """plain_ahead 0 is no plain run (a stream_interval alone is then refused); stream_interval 0 means 1."""
-    if not msg.plain_ahead:
+    """plain_depth 0 is no plain run (a stream_interval alone is then refused); stream_interval 0 means 1."""
+    if not msg.plain_depth:
         if msg.stream_interval:
-            raise InvalidRequestError("stream_interval needs plain_ahead")
+            raise InvalidRequestError("stream_interval needs plain_depth")
         return None
-    return PlainRun(msg.plain_ahead, msg.stream_interval or 1)
+    return PlainRun(msg.plain_depth, msg.stream_interval or 1)
 
 
 def block_to_pb(block: DraftBlock | None) -> pb.DraftBlock:

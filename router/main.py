@@ -46,7 +46,7 @@ def build_router(s: RouterSettings, tracer=None, discovery: Discovery | None = N
     config = RouterConfig(default=default, max_gamma=s.max_gamma,
                           threshold=s.threshold, max_running=s.max_running, max_queue=s.max_queue,
                           verifier_retry_s=s.verifier_retry_s,
-                          plain=PlainRun(s.plain_ahead, s.stream_interval) if s.plain_ahead else None,
+                          plain=PlainRun(s.plain_depth, s.stream_interval) if s.plain_depth else None,
                           plain_handoff=s.plain_handoff)
     name = s.served_model_name or model_name(s.model)
     board = BoardView(connect_board(s.redis_url), s.board_stale_ms / 1000) if s.redis_url else None

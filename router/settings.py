@@ -32,11 +32,11 @@ class RouterSettings(Settings):
                            "blocks of at most 64)")
     threshold: float = Field(0.3, ge=0.0, le=1.0, description="λ of the threshold policy (and of dspark until the "
                              "verifier's SPS profile is known)")
-    plain_ahead: int = Field(8, ge=0, le=64, description="plain decoding (method none): steps a verifier decodes "
+    plain_depth: int = Field(8, ge=0, le=64, description="plain decoding (method none): steps a verifier decodes "
                              "before the router asks, each reply taking those done (0: one step per call)")
-    stream_interval: int = Field(4, ge=1, le=64, description="plain decoding with plain_ahead: tokens a verifier "
+    stream_interval: int = Field(4, ge=1, le=64, description="plain decoding with plain_depth: tokens a verifier "
                                  "reply (and so an SSE event) waits for, fewer at the end (vLLM's --stream-interval)")
-    plain_handoff: bool = Field(True, description="with plain_ahead: a dspark request whose plan says drafting does "
+    plain_handoff: bool = Field(True, description="with plain_depth: a dspark request whose plan says drafting does "
                                 "not pay is handed to a plain run on its verifier for the rest of its life")
     explore_cycles: int = Field(8, ge=0, description="threshold and dspark verify whole blocks until this many "
                                 "cycles have verified drafts, so estimates that start low can learn (0: off)")
@@ -68,8 +68,8 @@ class RouterSettings(Settings):
 
     @model_validator(mode="after")
     def _interval_within_depth(self) -> RouterSettings:
-        if self.plain_ahead and self.stream_interval > self.plain_ahead:
-            raise ValueError(f"stream_interval ({self.stream_interval}) exceeds plain_ahead ({self.plain_ahead})")
+        if self.plain_depth and self.stream_interval > self.plain_depth:
+            raise ValueError(f"stream_interval ({self.stream_interval}) exceeds plain_depth ({self.plain_depth})")
         return self
 
     @model_validator(mode="after")

@@ -216,7 +216,7 @@ class Prefilled:
 @dataclass(frozen=True, slots=True)
 class PlainRun:
     """A request that never carries a draft (method none), so its verifier may decode ahead of the router
-    (verifier_worker/plain_ahead.py): `depth` steps at most before they are asked for, and a reply waits until
+    (verifier_worker/plain_run.py): `depth` steps at most before they are asked for, and a reply waits until
     `interval` steps are done (fewer at the request's end; vLLM's stream interval)."""
 
     depth: int = 8

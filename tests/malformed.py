@@ -91,8 +91,8 @@ PREFILL_FAULTS = [
     lambda d, m, L: setattr(m.params, "top_p", d(BAD_TOP_P)),
     lambda d, m, L: setattr(m, "feature_dtype", d(BAD_ENUM)),
     lambda d, m, L: setattr(m, "request_id", d(st.sampled_from(["", "held"]))),  # empty, or already in use
-    lambda d, m, L: setattr(m, "plain_ahead", d(st.integers(65, U32))),  # deeper than a replica runs ahead
-    lambda d, m, L: setattr(m, "stream_interval", d(st.integers(1, U32))),  # without plain_ahead, or wider
+    lambda d, m, L: setattr(m, "plain_depth", d(st.integers(65, U32))),  # deeper than a replica runs ahead
+    lambda d, m, L: setattr(m, "stream_interval", d(st.integers(1, U32))),  # without plain_depth, or wider
 ]
 
 

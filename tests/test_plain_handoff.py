@@ -69,7 +69,7 @@ def test_after_the_hand_off_no_draft_is_taken_and_a_bad_hand_off_changes_nothing
         first = (await service.prefill("r", prompt, GREEDY)).emitted
         with pytest.raises(InvalidRequestError, match="empty draft"):
             await service.verify("r", 1, DraftBlock(tokens=[1, 2]), PlainRun(4, 2))
-        with pytest.raises(InvalidRequestError, match="plain_ahead"):
+        with pytest.raises(InvalidRequestError, match="plain_depth"):
             await service.verify("r", 1, None, PlainRun(99, 1))
         out = (await service.verify("r", 1, None, PlainRun(4, 2))).output.emitted  # cycle 1 still expected
         with pytest.raises(InvalidRequestError, match="no drafts"):

@@ -7,7 +7,7 @@ loop holds for the duration of a step: admissions, submissions and releases land
 
 Cycle bookkeeping: after prefill a request is at cycle 0; `verify` must carry the next cycle, anything
 else is stale (`StaleCycleError`) and changes nothing. A request prefilled with a `PlainRun` decodes
-plainly ahead of its verify calls (`verifier_worker/plain_ahead.py`); each call takes the steps done since
+plainly before its verify calls ask (`verifier_worker/plain_run.py`); each call takes the steps done since
 the last one.
 """
 
@@ -35,7 +35,7 @@ from services.types import (
     VerifierProfile,
 )
 from verifier_worker.engine import Engine
-from verifier_worker.plain_ahead import PlainAhead, check_plain_run
+from verifier_worker.plain_run import PlainRunState, check_plain_run
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class _VerifySession:
     prompt_logprobs: TokenLogprobs | None = None  # prefill chunks so far, when asked for
     feature_start: int = 0  # position of the first prefill chunk (> 0 after a shared prefix)
     waiter: asyncio.Future | None = None
-    ahead: PlainAhead | None = None  # plain steps done before the router asks (prefilled with a PlainRun)
+    plain: PlainRunState | None = None  # plain steps done before the router asks (prefilled with a PlainRun)
 
 
 class VerifierService(TierLoop):
@@ -64,7 +64,7 @@ class VerifierService(TierLoop):
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       resume_ids: list[int] | None = None, share_prefix_of: str = "", plain: PlainRun | None = None
                       ) -> Prefilled:
-        """`plain`: the request is plain for its whole life; decode ahead of the router as it says."""
+        """`plain`: the request is plain for its whole life; decode before the router asks, as it says."""
         self._check_open()
         if plain is not None:
             check_plain_run(plain)
@@ -74,7 +74,7 @@ class VerifierService(TierLoop):
             self.engine.add_request(request_id, prompt_ids, params, resume_ids or (), share_prefix_of)
             session = self._sessions[request_id] = _VerifySession()
             if plain is not None:
-                session.ahead = PlainAhead(plain, params)
+                session.plain = PlainRunState(plain, params)
             session.waiter = asyncio.get_running_loop().create_future()
         self._wake.set()
         try:
@@ -92,12 +92,13 @@ class VerifierService(TierLoop):
 
     async def verify(self, request_id: str, cycle: int, draft: DraftBlock | None,
                      plain: PlainRun | None = None) -> Verified:
-        """`plain`: from this call on the request runs ahead plainly (a hand-off: no draft may come again)."""
+        """`plain`: from this call on the request decodes plainly before it is asked (a hand-off: no draft may come
+        again)."""
         self._check_open()
         if plain is not None:
             check_plain_run(plain)
             if draft:
-                raise InvalidRequestError("plain_ahead comes with an empty draft (it ends drafting)")
+                raise InvalidRequestError("plain_depth comes with an empty draft (it ends drafting)")
         async with self._turn():
             session = self._sessions.get(request_id)
             if session is None or session.waiter is not None:
@@ -105,17 +106,17 @@ class VerifierService(TierLoop):
                 raise StaleCycleError(f"request {request_id!r} is {state}")
             if cycle != session.cycle + 1:
                 raise StaleCycleError(f"request {request_id!r}: cycle {cycle} is stale, expected {session.cycle + 1}")
-            if plain is not None and session.ahead is None:
-                session.ahead = PlainAhead(plain, self.engine.params(request_id),
-                                           emitted=self.engine.num_emitted(request_id))
-            ahead = session.ahead
-            if ahead is not None and draft:
-                raise InvalidRequestError(f"request {request_id!r} runs ahead plainly: no drafts")
-            if ahead is not None and ahead.ready():  # taken at once; the step after them is queued
-                out = ahead.take()
-                self._queue_ahead(request_id, session)
+            if plain is not None and session.plain is None:
+                session.plain = PlainRunState(plain, self.engine.params(request_id),
+                                              emitted=self.engine.num_emitted(request_id))
+            steps = session.plain
+            if steps is not None and draft:
+                raise InvalidRequestError(f"request {request_id!r} decodes plainly: no drafts")
+            if steps is not None and steps.ready():  # taken at once; the step after them is queued
+                out = steps.take()
+                self._queue_plain(request_id, session)
             else:
-                if self.engine.is_ready(request_id):  # none queued (or no run-ahead): this call's step
+                if self.engine.is_ready(request_id):  # none queued (or no plain run): this call's step
                     self.engine.submit(request_id, draft)
                 session.waiter = asyncio.get_running_loop().create_future()
                 out = None
@@ -124,7 +125,7 @@ class VerifierService(TierLoop):
             out = await session.waiter
         session.cycle = cycle
         session.lease.touch()
-        return Verified(out, self.engine.num_tokens(request_id) - (ahead.untaken() if ahead else 0))
+        return Verified(out, self.engine.num_tokens(request_id) - (steps.untaken() if steps else 0))
 
     async def release(self, request_id: str) -> bool:
         async with self._turn():
@@ -175,10 +176,10 @@ class VerifierService(TierLoop):
         """A plain run's step joins its run's done steps and queues the next (`_deliver` answers the call)."""
         for out in outputs:
             session = self._sessions.get(out.request_id)
-            if session is not None and session.ahead is not None and out.kind not in (None, OutcomeKind.FIRST):
-                session.ahead.record(out)
-                session.ahead.done.append(out)
-                self._queue_ahead(out.request_id, session)
+            if session is not None and session.plain is not None and out.kind not in (None, OutcomeKind.FIRST):
+                session.plain.record(out)
+                session.plain.done.append(out)
+                self._queue_plain(out.request_id, session)
         return outputs
 
     def _only_plain_runs(self) -> bool:
@@ -188,7 +189,7 @@ class VerifierService(TierLoop):
             return False
         for rid in queued:
             session = self._sessions.get(rid)
-            if session is None or session.ahead is None or (session.waiter is not None and session.ahead.ready()):
+            if session is None or session.plain is None or (session.waiter is not None and session.plain.ready()):
                 return False
         return True
 
@@ -206,7 +207,7 @@ class VerifierService(TierLoop):
 
     def _ready(self) -> bool:
         """Every prefilled session has its next cycle queued."""
-        return not any(s.prefilled and s.waiter is None and s.ahead is None for s in self._sessions.values())
+        return not any(s.prefilled and s.waiter is None and s.plain is None for s in self._sessions.values())
 
     def _deliver(self, out: StepOutput) -> None:
         session = self._sessions.get(out.request_id)
@@ -222,29 +223,29 @@ class VerifierService(TierLoop):
                 session.prompt_logprobs.extend(out.prompt_logprobs)
             if out.kind is None:
                 return
-        if session.ahead is not None:
-            self._deliver_ahead(out, session)
+        if session.plain is not None:
+            self._deliver_plain(out, session)
             return
         self._resolve(session, out)
 
-    def _deliver_ahead(self, out: StepOutput, session: _VerifySession) -> None:
+    def _deliver_plain(self, out: StepOutput, session: _VerifySession) -> None:
         """The prefill's first token goes to its caller, and the run's first step is queued; a plain step (absorbed
         in the compute thread) answers the verify call waiting once a reply is due."""
-        ahead = session.ahead
+        steps = session.plain
         if out.kind is OutcomeKind.FIRST:
-            ahead.record(out)
+            steps.record(out)
             self._resolve(session, out)
-            self._queue_ahead(out.request_id, session)
-        elif session.waiter is not None and ahead.ready():
-            self._resolve(session, ahead.take())
+            self._queue_plain(out.request_id, session)
+        elif session.waiter is not None and steps.ready():
+            self._resolve(session, steps.take())
 
-    def _queue_ahead(self, request_id: str, session: _VerifySession) -> None:
-        if not session.ahead.wants_step() or not self.engine.is_ready(request_id):
+    def _queue_plain(self, request_id: str, session: _VerifySession) -> None:
+        if not session.plain.wants_step() or not self.engine.is_ready(request_id):
             return
         try:
             self.engine.submit(request_id, None)
         except InvalidRequestError:  # the slot is full: the router's next call meets the same error itself
-            session.ahead.ended = True
+            session.plain.ended = True
 
     @staticmethod
     def _resolve(session: _VerifySession, out: StepOutput) -> None:

@@ -69,7 +69,7 @@ class CostModel:
     batch_window_s: float = 0.005  # tiers wait up to this for every session's work (serving `batch_window_ms`)
     gather_every_step: bool = False  # verifier gathers before every step, not only when idle (a what-if)
     # > 0: method none, and a dspark request whose plan says drafting does not pay (the router's hand-off), run
-    # ahead on their verifier with one reply every this many steps (router plain_ahead / stream_interval,
+    # ahead on their verifier with one reply every this many steps (router plain_depth / stream_interval,
     # benchmarks/simulator/plain_run.py); 0: one exchange a token
     plain_run: int = 0
 

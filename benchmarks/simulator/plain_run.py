@@ -1,8 +1,8 @@
-"""Plain runs in the simulator (`verifier_worker/plain_ahead.py`, docs/design.md §5): a request decoded plainly
+"""Plain runs in the simulator (`verifier_worker/plain_run.py`, docs/design.md §5): a request decoded plainly
 (method none, or a dspark request the router handed off because its plan said drafting does not pay) has its
 next step queued by the verifier as soon as the last one is done, and a reply — one hop, one router turn —
 carries every `CostModel.plain_run` steps (fewer at the end). The router's work and the hops then overlap the
-verifier's steps instead of adding to them. The real run is bounded by `plain_ahead` steps before the router asks;
+verifier's steps instead of adding to them. The real run is bounded by `plain_depth` steps before the router asks;
 the model leaves the bound out (with replies every few steps the router keeps up)."""
 
 from __future__ import annotations

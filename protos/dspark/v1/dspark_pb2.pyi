@@ -139,7 +139,7 @@ class DraftBlock(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseQ, _Mapping]] = ..., confidences: _Optional[_Iterable[float]] = ..., peaks: _Optional[_Iterable[float]] = ..., ahead: _Optional[bool] = ..., fanout: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "params", "resume_ids", "feature_dtype", "traceparent", "share_prefix_of", "plain_ahead", "stream_interval")
+    __slots__ = ("request_id", "prompt_ids", "params", "resume_ids", "feature_dtype", "traceparent", "share_prefix_of", "plain_depth", "stream_interval")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -147,7 +147,7 @@ class PrefillRequest(_message.Message):
     FEATURE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     SHARE_PREFIX_OF_FIELD_NUMBER: _ClassVar[int]
-    PLAIN_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_DEPTH_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -156,9 +156,9 @@ class PrefillRequest(_message.Message):
     feature_dtype: DType
     traceparent: str
     share_prefix_of: str
-    plain_ahead: int
+    plain_depth: int
     stream_interval: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., resume_ids: _Optional[_Iterable[int]] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., traceparent: _Optional[str] = ..., share_prefix_of: _Optional[str] = ..., plain_ahead: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., resume_ids: _Optional[_Iterable[int]] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., traceparent: _Optional[str] = ..., share_prefix_of: _Optional[str] = ..., plain_depth: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("request_id", "cycle", "emitted", "committed", "features", "logprobs", "prompt_logprobs", "feature_start")
@@ -181,22 +181,22 @@ class PrefillReply(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., emitted: _Optional[_Iterable[int]] = ..., committed: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., feature_start: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("request_id", "cycle", "draft", "feature_dtype", "traceparent", "plain_ahead", "stream_interval")
+    __slots__ = ("request_id", "cycle", "draft", "feature_dtype", "traceparent", "plain_depth", "stream_interval")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     FEATURE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
-    PLAIN_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_DEPTH_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cycle: int
     draft: DraftBlock
     feature_dtype: DType
     traceparent: str
-    plain_ahead: int
+    plain_depth: int
     stream_interval: int
-    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., draft: _Optional[_Union[DraftBlock, _Mapping]] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., traceparent: _Optional[str] = ..., plain_ahead: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., draft: _Optional[_Union[DraftBlock, _Mapping]] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., traceparent: _Optional[str] = ..., plain_depth: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
     __slots__ = ("request_id", "cycle", "emitted", "num_drafts", "num_accepted", "outcome", "feature_start", "features", "committed", "logprobs")

@@ -1,4 +1,4 @@
-"""Plain decoding run ahead of the router: a request that will never carry a draft (method `none`) needs
+"""A plain run: plain decoding before the router asks: a request that will never carry a draft (method `none`) needs
 nothing from the router between two steps, so the verifier queues its next step as soon as the last one is
 done, up to `depth` steps before the router asks, and a verify call takes every step done since the last
 one as one reply, waiting for `interval` of them (fewer at the end). The router's hop (gRPC, its event
@@ -20,21 +20,21 @@ import torch
 from services.errors import InvalidRequestError
 from services.types import PlainRun, SamplingParams, StepOutput, TokenLogprobs
 
-MAX_DEPTH = 64  # what a PrefillRequest may ask for (protos/dspark/v1/dspark.proto: plain_ahead)
+MAX_DEPTH = 64  # what a PrefillRequest may ask for (protos/dspark/v1/dspark.proto: plain_depth)
 
 
 def check_plain_run(plain: PlainRun) -> None:
     if not 1 <= plain.depth <= MAX_DEPTH:
-        raise InvalidRequestError(f"plain_ahead must be in [1, {MAX_DEPTH}], got {plain.depth}")
+        raise InvalidRequestError(f"plain_depth must be in [1, {MAX_DEPTH}], got {plain.depth}")
     if not 1 <= plain.interval <= plain.depth:
-        raise InvalidRequestError(f"stream_interval must be in [1, plain_ahead = {plain.depth}], got {plain.interval}")
+        raise InvalidRequestError(f"stream_interval must be in [1, plain_depth = {plain.depth}], got {plain.interval}")
 
 
 @dataclass(slots=True)
-class PlainAhead:
-    """One request's steps done ahead of the router, and whether another may be queued."""
+class PlainRunState:
+    """One request's plain run: the steps done before the router asked, and whether another may be queued."""
 
-    run: PlainRun  # how far ahead, and how many steps a reply waits for
+    run: PlainRun  # how deep, and how many steps a reply waits for
     params: SamplingParams
     emitted: int = 0  # tokens emitted since the prefill (the first included)
     ended: bool = False  # a stop token or max_tokens reached: queue nothing more on our own

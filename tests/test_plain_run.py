@@ -1,4 +1,4 @@
-"""Plain decoding run ahead in the verifier (verifier_worker/plain_ahead.py): the same tokens as one step per
+"""Plain decoding run ahead in the verifier (verifier_worker/plain_run.py): the same tokens as one step per
 call, several steps per reply when the caller is slow, no step past a stop token or max_tokens, bad use refused."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from router.settings import RouterSettings
 from services.errors import InvalidRequestError
 from services.types import DraftBlock, PlainRun, SamplingParams
 from tests.conftest import random_prompts, started_verifier
-from verifier_worker.plain_ahead import MAX_DEPTH
+from verifier_worker.plain_run import MAX_DEPTH
 from verifier_worker.service import LocalVerifier, VerifierService
 
 GREEDY = SamplingParams(max_tokens=24)
@@ -92,7 +92,7 @@ def test_a_run_ahead_request_refuses_drafts_and_bad_depths_change_nothing(tiny_m
     async def main():
         service = await started_verifier(tiny_model)
         reference, _ = await _decode(service, "ref", prompt, GREEDY, None)
-        with pytest.raises(InvalidRequestError, match="plain_ahead"):
+        with pytest.raises(InvalidRequestError, match="plain_depth"):
             await service.prefill("deep", prompt, GREEDY, plain=PlainRun(MAX_DEPTH + 1, 1))
         with pytest.raises(InvalidRequestError, match="stream_interval"):
             await service.prefill("wide", prompt, GREEDY, plain=PlainRun(2, 3))
@@ -128,7 +128,7 @@ def test_the_router_runs_plain_requests_ahead_with_the_same_output(tiny_model):
 
 
 def test_router_settings_keep_the_interval_within_the_depth():
-    assert RouterSettings(plain_ahead=8, stream_interval=4).stream_interval == 4
-    assert RouterSettings(plain_ahead=0, stream_interval=4).plain_ahead == 0  # no plain run: the interval is moot
+    assert RouterSettings(plain_depth=8, stream_interval=4).stream_interval == 4
+    assert RouterSettings(plain_depth=0, stream_interval=4).plain_depth == 0  # no plain run: the interval is moot
     with pytest.raises(ValidationError, match="stream_interval"):
-        RouterSettings(plain_ahead=2, stream_interval=4)
+        RouterSettings(plain_depth=2, stream_interval=4)
