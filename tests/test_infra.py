@@ -10,11 +10,13 @@ import importlib.util
 import io
 import json
 import math
+import os
 import re
 import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -330,7 +332,7 @@ def test_images_are_built_here_or_pinned():
     base = re.search(r"^ARG BASE_IMAGE=(\S+)$", dockerfile, flags=re.M).group(1)
     assert base == "rayproject/ray:2.60.0-py311-cpu"
     assert re.search(r"pip install [^\n]*\"?torch==2\.13\.0", dockerfile)
-    assert "pip install --no-cache-dir . " in dockerfile
+    assert "pip wheel --no-cache-dir --no-deps -w /tmp/wheels ." in dockerfile
     assert re.search(r"^COPY .*models/ ", dockerfile, flags=re.M) and "DSPARK_MODELS_DIR" in dockerfile
 
     cluster = _cluster()
@@ -529,3 +531,28 @@ def test_cluster_yaml_matches_rays_schema():
     schema = json.loads((Path(spec.submodule_search_locations[0]) / "autoscaler" / "ray-schema.json").read_text())
     jsonschema.validate(_cluster(), schema)
     assert _cluster()["head_node_type"] in _cluster()["available_node_types"]
+
+
+def test_the_image_installs_every_package_the_cli_imports(tmp_path):
+    """The image installs the wheel pyproject.toml's package list makes (infra/Dockerfile): that wheel holds every
+    package of the layering, and `dspark`'s entry point imports from it alone (no checkout on the path)."""
+    import tomllib
+    import zipfile
+
+    from tests.test_layering import ALLOWED
+
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert {p.rstrip("*") for p in listed} == set(ALLOWED)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "wheels"), str(ROOT)], check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "wheels").glob("dspark-*.whl")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(site)
+        tops = {n.split("/")[0] for n in z.namelist() if "/" in n and ".dist-info" not in n.split("/")[0]}
+    assert tops == set(ALLOWED)
+    code = "import cli.main, services.kernels; cli.main.build_parser(); print(cli.main.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith(str(site)), out.stdout
