@@ -18,6 +18,7 @@ from datetime import timedelta
 
 import ray
 
+from cluster.devices import ray_device
 from drafter_worker.settings import DrafterSettings
 from protos.tier import RunningTier, set_threads
 from verifier_worker.settings import VerifierSettings
@@ -71,7 +72,8 @@ class DrafterReplica(_Replica):
     async def _start(self) -> RunningTier:
         from drafter_worker.main import start_drafter  # here: a drafter replica loads no verifier code
 
-        return await start_drafter(self.settings.model_copy(update={"host": _node_ip(), "port": 0}))
+        return await start_drafter(self.settings.model_copy(update={"host": _node_ip(), "port": 0,
+                                                                    "device": ray_device(self.settings.device)}))
 
 
 class VerifierReplica(_Replica):
@@ -94,6 +96,7 @@ class VerifierReplica(_Replica):
     async def _start(self) -> RunningTier:
         from verifier_worker.main import start_verifier  # here: a verifier replica loads no drafter code
 
+        self.settings = self.settings.model_copy(update={"device": ray_device(self.settings.device)})
         if self.world > 1:
             self._driver = await asyncio.to_thread(_sharded, self.settings, 0, self.world, self.group_address())
         return await start_verifier(self.settings.model_copy(update={"host": _node_ip(), "port": 0}), self._driver)
@@ -117,7 +120,8 @@ class VerifierShard:
     async def follow(self, address: str) -> None:
         from verifier_worker.tensor_parallel import follow
 
-        model, groups = await asyncio.to_thread(_sharded, self.settings, self.rank, self.world, address, False)
+        settings = self.settings.model_copy(update={"device": ray_device(self.settings.device)})  # its own GPU
+        model, groups = await asyncio.to_thread(_sharded, settings, self.rank, self.world, address, False)
         await asyncio.to_thread(follow, model, groups.meta)
 
 
