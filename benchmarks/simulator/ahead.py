@@ -10,10 +10,7 @@ outcomes the cache covers) and returns after its hops alone.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the engine imports this module
-    from benchmarks.simulator.engine import Req, SimReplica
+from benchmarks.simulator.state import Req, SimReplica
 
 
 class AheadDrafting:
