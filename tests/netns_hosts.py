@@ -11,6 +11,7 @@ Only addresses of hosts made here are ever used; nothing outside the machine is 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -48,10 +49,8 @@ def sweep() -> None:
 def _kill_all(ns: str) -> set[int]:
     pids = {int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split()}
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     return pids
 
 
