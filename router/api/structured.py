@@ -24,23 +24,25 @@ GrammarText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_GRAM
 Choices = Annotated[list[Annotated[str, StringConstraints(min_length=1)]], Field(min_length=1, max_length=1024)]
 
 
-class _Strict(BaseModel):
+class StrictBody(BaseModel):
+    """A nested request object of the API: strict types, unknown keys refused by name."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictBody):
     name: str = Field(max_length=64)
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
     description: str | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(StrictBody):
     json_: dict[str, Any] | GrammarText | None = Field(None, alias="json")
     regex: GrammarText | None = None
     choice: Choices | None = None

@@ -19,8 +19,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, Field, StringConstraints
 
+from router.api.structured import StrictBody
 from services.grammar import JSON_LAYOUT
 from services.types import Grammar, GrammarKind
 
@@ -28,37 +29,33 @@ MAX_PARALLEL = 8  # calls a forced reply may hold (twice the tools offered, at m
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-
-class FunctionDef(_Strict):
+class FunctionDef(StrictBody):
     name: Name
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictBody):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Strict):
+class NamedFunction(StrictBody):
     name: Name
 
 
-class ToolChoiceFunction(_Strict):
+class ToolChoiceFunction(StrictBody):
     type: Literal["function"]
     function: NamedFunction
 
 
-class CalledFunction(_Strict):
+class CalledFunction(StrictBody):
     name: str
     arguments: str  # JSON text, as OpenAI sends it back
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictBody):
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
