@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
     p.add_argument("--concurrency", default="1,2,4,8", help="closed-loop concurrencies (empty: none)")
     p.add_argument("--rates", default="", help="open-loop Poisson request rates per second (empty: none)")
     p.add_argument("--requests", type=int, default=16, help="requests per arm and load")
-    p.add_argument("--dataset", default="mix", choices=("code", "math", "chat", "mix", "random"))
+    p.add_argument("--dataset", default="mix", choices=("code", "math", "chat", "mix", "json", "random"))
     p.add_argument("--random-input-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)

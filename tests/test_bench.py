@@ -72,3 +72,18 @@ def test_the_permutation_test_tells_distributions_apart():
     skewed = [rng.choice("xxxyz") for _ in range(300)]
     assert permutation_chi2(a, b, rounds=500) > 0.01
     assert permutation_chi2(a, skewed, rounds=500) < 0.01
+
+
+def test_the_structured_output_arm_is_constrained_and_lossless(base_url):
+    """`--dataset json`: every request of every arm carries the JSON schema, and the speculative arm emits the
+    plain arm's constrained outputs (the greedy gate)."""
+    from benchmarks.serve_bench.runner import body
+    from benchmarks.serve_bench.workloads import JSON_ANSWER
+
+    workload = load_workload("json")
+    cfg = BenchConfig(base_url, workload, ["none", "dspark-fixed"], concurrency=[2], requests=4, max_tokens=48,
+                      gamma=4)
+    assert body(cfg, "none", 0)["structured_outputs"] == {"json": JSON_ANSWER}
+    results = asyncio.run(run(cfg, lambda: None))
+    assert results["gates"]["greedy_identical"] == {"dspark-fixed": True}
+    assert all(c["summary"]["completed"] == 4 and c["summary"]["failed"] == 0 for c in results["cells"])

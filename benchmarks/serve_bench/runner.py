@@ -49,7 +49,7 @@ class BenchConfig:
 def body(cfg: BenchConfig, arm: str, i: int) -> dict:
     b = {"model": cfg.model, "prompt": cfg.workload.prompt(i), "max_tokens": cfg.max_tokens,
          "temperature": cfg.temperature, "ignore_eos": cfg.workload.ignore_eos,
-         "speculative": speculative(arm, cfg.gamma)}
+         "speculative": speculative(arm, cfg.gamma), **cfg.workload.extra}
     if cfg.temperature > 0:
         b["seed"] = cfg.seed + i
     return b
