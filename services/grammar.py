@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import llguidance
+import numpy as np
 import torch
 from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
@@ -34,8 +35,10 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 
 @functools.lru_cache(maxsize=4)
-def _tokenizer(tokenizer_json: str, eos: tuple[int, ...]) -> llguidance.LLTokenizer:
-    return llguidance.LLTokenizer(tokenizer_json, eos_token=list(eos))
+def _tokenizer(model_dir: str) -> llguidance.LLTokenizer:
+    """A model's vocabulary for llguidance (its EOS ids as the model's tokenizer says), built once a process."""
+    eos = TextTokenizer.from_dir(model_dir).eos_token_ids
+    return llguidance.LLTokenizer(str(Path(model_dir) / "tokenizer.json"), eos_token=list(eos))
 
 
 def compile_grammar(grammar: Grammar) -> str:
@@ -63,8 +66,7 @@ class GrammarTokenizer:
         if path is None or not path.is_file():
             raise InvalidRequestError("structured output needs the model's tokenizer (tokenizer.json), which this "
                                       "verifier was not given")
-        eos = TextTokenizer.from_dir(path.parent).eos_token_ids
-        self.lltok = _tokenizer(str(path), tuple(eos))
+        self.lltok = _tokenizer(str(path.parent))
         self.vocab_size = vocab_size  # the logits' width; ids past the tokenizer's are never allowed
 
     def start(self, grammar: Grammar) -> RequestGrammar:
@@ -85,13 +87,13 @@ class RequestGrammar:
     def _mask(self) -> torch.Tensor:
         """[V] bool: the tokens allowed next in the matcher's current state."""
         fill_next_token_bitmask(self.matcher, self._bits)
-        words = self._bits[0]  # [⌈V'/32⌉] int32, bit j of word w: token 32 w + j
-        bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1  # [⌈V'/32⌉, 32]
-        allowed = bits.flatten().bool()
-        out = torch.zeros(self.vocab_size, dtype=torch.bool)
+        # [⌈V'/32⌉] int32 words, bit j of word w = token 32 w + j: as little-endian bytes, numpy's C unpacking
+        # puts the bits in token order (a torch shift-and-mask over 262,144 bits took 1.5 ms a row)
+        allowed = np.unpackbits(self._bits[0].numpy().view(np.uint8), bitorder="little")
+        out = np.zeros(self.vocab_size, dtype=np.bool_)
         n = min(self.vocab_size, len(allowed))
         out[:n] = allowed[:n]
-        return out
+        return torch.from_numpy(out)
 
     def masks(self, drafts: Sequence[int]) -> torch.Tensor:
         """[ℓ + 1, V] bool: row k allows what the grammar allows after the committed output and drafts[:k]."""

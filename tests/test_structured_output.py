@@ -184,3 +184,17 @@ def test_sampled_constrained_speculative_output_follows_the_masked_target(target
         if expected[~keep].sum() > 0:
             obs, exp = [*obs, float(counts[~keep].sum())], [*exp, float(expected[~keep].sum() * n)]
         assert chisquare(obs, [e * sum(obs) / sum(exp) for e in exp]).pvalue > 1e-3
+
+
+def test_logprobs_stay_those_of_the_raw_distribution_under_a_grammar(target, tok):
+    """The masks are applied in place unless a request of the step reads the raw rows for its logprobs (vLLM's
+    raw_logprobs): then they are the unconstrained target's."""
+    grammar = GRAMMARS[2]  # a choice: most of the vocabulary is masked
+    prompt = tok.encode(PROMPTS[1])
+    req = GenerationRequest("lp", prompt, SamplingParams(max_tokens=2, grammar=grammar, logprobs=0))
+    (out,) = LocalRouter(make_engine(target, max_len=256)).generate([req])
+    with torch.no_grad():
+        raw = target.forward_dense(torch.tensor([prompt + out.token_ids[:1]])).logits[0].float().log_softmax(-1)
+    expected = [float(raw[len(prompt) - 1, out.token_ids[0]]), float(raw[len(prompt), out.token_ids[1]])]
+    assert out.logprobs is not None
+    torch.testing.assert_close(torch.tensor(out.logprobs.logprobs), torch.tensor(expected), atol=1e-4, rtol=0)

@@ -109,11 +109,14 @@ def grammar_masks(items: list[WorkItem], logits: torch.Tensor, raw: torch.Tensor
             masks.append(grammar.masks([]))
     if not rows:
         return logits
-    out = logits.float().clone() if logits is raw else logits
-    index = torch.tensor(rows, device=out.device)
-    allowed = torch.cat(masks).to(out.device)  # [R, V]
-    out[index] = out[index].masked_fill(~allowed, float("-inf"))
-    return out
+    # In place (a gather and scatter of float rows cost more than the masks on a 262,144-token vocabulary); on a
+    # copy only when the raw rows are still to be read for logprobs.
+    keep_raw = logits is raw and any(it.request.params.logprobs is not None
+                                     or it.request.params.prompt_logprobs is not None for it in items)
+    out = logits.float().clone() if keep_raw else logits.float()
+    blocked = torch.zeros(out.shape, dtype=torch.bool, device=out.device)  # [M, V]
+    blocked[torch.tensor(rows, device=out.device)] = ~torch.cat(masks).to(out.device)  # [R, V] rows
+    return out.masked_fill_(blocked, float("-inf"))
 
 
 def add_logprobs(it: WorkItem, out: StepOutput, raw: torch.Tensor) -> None:
