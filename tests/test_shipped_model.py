@@ -25,9 +25,11 @@ def test_shipped_target_is_listed():
     assert (MODELS_DIR / TARGET / "model.safetensors").stat().st_size <= 40 * 2**20
 
 
-def test_everything_shipped_fits_200_mb():
+def test_everything_shipped_fits_300_mb():
+    """[2/6]'s budget: the toy targets and their drafters, and Gemma 3 270M's four drafters (the Gemma weights
+    themselves come by pip and are not under models/)."""
     total = sum(f.stat().st_size for f in MODELS_DIR.rglob("*") if f.is_file())
-    assert total <= 200 * 10**6, f"models/ holds {total / 1e6:.0f} MB"
+    assert total <= 300 * 10**6, f"models/ holds {total / 1e6:.0f} MB"
 
 
 def test_both_loaders_agree():
