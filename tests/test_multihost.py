@@ -1,0 +1,90 @@
+"""Deployed as a user would, across hosts ([6/6]): three hosts as network namespaces (tests/netns_hosts.py), `ray
+start --head` on A, `ray start --address` on B and C with a custom resource each, `dspark serve` on A with the
+verifier pool placed on B and the drafter pool on C by those resources, the API reached at A's address. The
+replicas serve from their hosts' addresses, and the served greedy output (DSpark drafting) is plain greedy output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from router.offline import GenerationRequest, LocalRouter
+from services.loader import load_model
+from services.registry import resolve_model
+from services.tokenizer import TextTokenizer
+from services.types import SamplingParams
+from tests.conftest import make_engine
+from tests.netns_hosts import Hosts, available
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not available(), reason="needs root and iproute2 (the CI machine has both)")]
+VENV = Path(sys.executable).parent
+MODEL, PROMPT = "dspark-target", "def fibonacci(n):"
+CONFIG = """
+ray: {{address: "{head}:6379"}}
+pools:
+  verifier: {{replicas: 1, min_replicas: 1, num_cpus: 1, resources: {{verifier_host: 1}}}}
+  drafter: {{replicas: 1, min_replicas: 1, num_cpus: 1, resources: {{drafter_host: 1}}}}
+router: {{host: "{head}", port: 8000}}
+"""
+
+
+def _env(hosts: Hosts, host: str) -> dict[str, str]:
+    # Not the test process's loopback-only Ray mode; each host its own Ray directory, the machine's HOME (the CPU
+    # kernels built once)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    return {**env, "PATH": f"{VENV}:/usr/bin:/bin", "RAY_AUTH_MODE": "disabled",
+            "RAY_TMPDIR": str(hosts.scratch / host)}
+
+
+def _get(url: str, body: dict | None = None, timeout: float = 2.0) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"{}")
+
+
+def test_served_across_three_hosts_with_pools_placed_by_resources(tmp_path):
+    tok = TextTokenizer.from_dir(resolve_model(MODEL))
+    plain = LocalRouter(make_engine(load_model(resolve_model(MODEL), "float32"), max_len=256)).generate(
+        [GenerationRequest("p", tok.encode(PROMPT), SamplingParams(max_tokens=24))])[0].token_ids
+    with Hosts(["a", "b", "c"]) as hosts:
+        head = hosts.address["a"]
+        start = ["ray", "start", "--disable-usage-stats", "--num-cpus=2"]
+        hosts.exec("a", [*start, "--head", f"--node-ip-address={head}", "--port=6379", "--include-dashboard=false"],
+                   env=_env(hosts, "a"), timeout=120)
+        for host, resource in (("b", "verifier_host"), ("c", "drafter_host")):
+            hosts.exec(host, [*start, f"--address={head}:6379", f"--node-ip-address={hosts.address[host]}",
+                              f"--resources={json.dumps({resource: 4})}"], env=_env(hosts, host), timeout=120)
+        config = hosts.scratch / "a" / "serve.yaml"
+        config.write_text(CONFIG.format(head=head))
+        log = (tmp_path / "serve.log").open("w")
+        serve = hosts.run("a", ["dspark", "serve", "--config", str(config)], env=_env(hosts, "a"), stdout=log,
+                          stderr=subprocess.STDOUT)
+        api = f"http://{head}:8000"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and serve.poll() is None:
+            try:
+                _get(api + "/health")
+                break
+            except OSError:
+                time.sleep(2)
+        else:
+            raise AssertionError("dspark serve did not come up:\n" + (tmp_path / "serve.log").read_text()[-3000:])
+        text = (tmp_path / "serve.log").read_text()
+        assert f"verifier replica verifier-0 joined at {hosts.address['b']}:" in text
+        assert f"drafter replica drafter-0 joined at {hosts.address['c']}:" in text
+        out = _get(api + "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0},
+                   timeout=120)
+        assert out["choices"][0]["text"] == tok.decode(plain)
+        serve.terminate()
+        serve.wait(timeout=60)
+        for host in ("c", "b", "a"):
+            hosts.exec(host, ["ray", "stop", "--force"], env=_env(hosts, host), check=False, timeout=60)
