@@ -27,21 +27,23 @@ class HttpAdmission:
         if body.model != self.model:
             raise ApiError(400, f"model {body.model!r} does not exist; this server serves {self.model!r}",
                            "model", "model_not_found")
-        prompts = self._prompts(body)
+        use = self.tool_use(body)
+        prompts = self._prompts(body, use)
         samples = body.samples()
         if len(prompts) * samples > MAX_BATCH:
             raise ApiError(400, f"{len(prompts)} prompts × {samples} samples: at most {MAX_BATCH} choices per "
                            "request", "n")
         spec = body.speculative.model_dump(exclude_none=True) if body.speculative else None
+        forced = None if use is None else use.grammar()  # a call is required: the reply is masked to one
+        bad_words = self.admit.bad_words(body.bad_words) if body.bad_words else ()
         groups = []
         for i, prompt_ids in enumerate(prompts):
             max_tokens = self.admit.max_tokens(body.wanted_tokens(), len(prompt_ids), body.prompt_param)
             params = body.sampling(max_tokens)
-            use = self.tool_use(body)
-            if use is not None and use.grammar() is not None:  # a call is required: the reply is masked to one
-                params = dataclasses.replace(params, grammar=use.grammar())
-            if body.bad_words:
-                params = dataclasses.replace(params, bad_words=self.admit.bad_words(body.bad_words))
+            if forced is not None:
+                params = dataclasses.replace(params, grammar=forced)
+            if bad_words:
+                params = dataclasses.replace(params, bad_words=bad_words)
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             group = []
             for j in range(samples):
@@ -64,10 +66,10 @@ class HttpAdmission:
         return ToolUse(list(body.tools), family_of(self.admit.tokenizer.chat_template), body.tool_mode(),
                        body.parallel_tool_calls)
 
-    def _prompts(self, body: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+    def _prompts(self, body: CompletionRequest | ChatCompletionRequest, use: ToolUse | None) -> list[list[int]]:
         """Each prompt's ids as the model sees them, cut to their last `truncate_prompt_tokens` (vLLM's rule)."""
         if isinstance(body, ChatCompletionRequest):
-            family, use = family_of(self.admit.tokenizer.chat_template), self.tool_use(body)
+            family = family_of(self.admit.tokenizer.chat_template)
             turns = [m.as_turn(family) for m in body.messages]
             prompts = [self.admit.encode_chat(turns if use is None else use.offer(turns))]
         else:
