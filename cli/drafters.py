@@ -34,6 +34,15 @@ def add_cache_parser(data_sub) -> None:
     p.add_argument("--compile", action="store_true", help="run the rollouts' target steps under torch.compile")
     p.add_argument("--mirror-dir", type=Path, help="gzip copies of the rollouts (commit them to resume elsewhere)")
     p.add_argument("--rollouts-only", action="store_true", help="stop after the rollouts (no feature cache)")
+    p.add_argument("--shard-worker", type=_shard_worker, metavar="K/N",
+                   help="build only the cache shards numbered K mod N (N processes share one build)")
+
+
+def _shard_worker(text: str) -> tuple[int, int]:
+    k, _, n = text.partition("/")
+    if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
+        raise argparse.ArgumentTypeError(f"--shard-worker takes K/N with 0 <= K < N, not {text!r}")
+    return int(k), int(n)
 
 
 def add_vocab_parser(data_sub) -> None:
@@ -119,7 +128,7 @@ def run_target_cache(args: argparse.Namespace) -> int:
                         code_prompts_per_file=args.code_prompts_per_file, batch=args.batch, compile=args.compile)
     caches = prepare(args.target, _cache_dir(args), args.data_dir, cfg, val_per_domain=args.val_per_domain,
                      mirror_dir=args.mirror_dir, rollout_dtype=args.rollout_dtype, rollouts_only=args.rollouts_only,
-                     feature_dtype=args.feature_dtype)
+                     feature_dtype=args.feature_dtype, shard_worker=args.shard_worker)
     _log()(f"target {'rollouts' if args.rollouts_only else 'caches'}: {', '.join(str(c) for c in caches.values())}")
     return 0
 
