@@ -34,6 +34,8 @@ def add_cache_parser(data_sub) -> None:
     p.add_argument("--compile", action="store_true", help="run the rollouts' target steps under torch.compile")
     p.add_argument("--mirror-dir", type=Path, help="gzip copies of the rollouts (commit them to resume elsewhere)")
     p.add_argument("--rollouts-only", action="store_true", help="stop after the rollouts (no feature cache)")
+    p.add_argument("--lse-vocab", type=Path, metavar="D2T", help="a draft vocabulary (`dspark data draft-vocab "
+                   "--out`): the train split's log-sum-exp over its ids only, an eighth of Gemma's head")
     p.add_argument("--shard-worker", type=_shard_worker, metavar="K/N",
                    help="build only the cache shards numbered K mod N (N processes share one build)")
 
@@ -123,12 +125,20 @@ def run_target_cache(args: argparse.Namespace) -> int:
     from training.drafter_data import prepare
     from training.rollouts import RolloutConfig
 
+    lse_ids = None
+    if args.lse_vocab is not None:
+        import torch
+        from safetensors.torch import load_file
+
+        d2t = load_file(str(args.lse_vocab))["d2t"]
+        lse_ids = d2t + torch.arange(len(d2t))
     cfg = RolloutConfig(prompts_per_domain=args.prompts_per_domain, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, temperatures=tuple(args.temperatures),
                         code_prompts_per_file=args.code_prompts_per_file, batch=args.batch, compile=args.compile)
     caches = prepare(args.target, _cache_dir(args), args.data_dir, cfg, val_per_domain=args.val_per_domain,
                      mirror_dir=args.mirror_dir, rollout_dtype=args.rollout_dtype, rollouts_only=args.rollouts_only,
-                     feature_dtype=args.feature_dtype, shard_worker=args.shard_worker)
+                     feature_dtype=args.feature_dtype, shard_worker=args.shard_worker,
+                     lse_ids=lse_ids)
     _log()(f"target {'rollouts' if args.rollouts_only else 'caches'}: {', '.join(str(c) for c in caches.values())}")
     return 0
 
@@ -151,6 +161,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     target_dir = resolve_model(args.target)
     mask_id = mask_token_id(Tokenizer.from_file(str(target_dir / "tokenizer.json")))
     d2t = None if args.draft_vocab is None else load_file(str(args.draft_vocab))["d2t"]
+    _check_lse_vocab(train_cache, d2t)
     dcfg = default_config(args.method, model_name(args.target), train_cache.tap_layers, mask_id, args.head,
                           None if d2t is None else len(d2t))
     suffix = args.method if args.method != "dspark" or args.head == "markov" else f"dspark-{args.head}"
@@ -165,6 +176,19 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     out = train(dcfg, target, train_cache, val_cache, cfg, log=_log(), d2t=d2t)
     _log()(f"exported the drafter to {out}")
     return 0
+
+
+def _check_lse_vocab(cache, d2t) -> None:
+    """A cache whose log-sum-exp runs over a draft vocabulary trains a drafter over that one only."""
+    import torch
+
+    from training.target_cache import lse_vocab_name
+
+    if cache.lse_vocab == "full":
+        return
+    if d2t is None or lse_vocab_name(d2t + torch.arange(len(d2t))) != cache.lse_vocab:
+        raise SystemExit(f"the train cache's log-sum-exp runs over a draft vocabulary ({cache.lse_vocab[:12]}…): "
+                         "train with --draft-vocab naming that same d2t")
 
 
 def mask_token_id(tokenizer) -> int:

@@ -164,6 +164,41 @@ def test_the_cached_lse_gives_the_log_softmax_and_a_draft_vocabulary_its_rows(ca
     assert bool((got.exp().sum(-1) < 1).all())  # the mass outside the draft vocabulary stays out
 
 
+def test_a_cache_whose_lse_runs_over_a_draft_vocabulary_renormalises_over_it(caches, tmp_path):
+    """lse_ids: the log-sum-exp over those head rows only, so exp(log p_t) sums to 1 over the draft vocabulary and
+    equals the full softmax renormalised there; the manifest names it; a shard of the other kind is rebuilt; the
+    CLI refuses to train a drafter over another vocabulary on it."""
+    from cli.drafters import _check_lse_vocab
+    from training.draft_vocab import frequency_d2t
+    from training.drafter import make_batch, target_logp
+
+    target, records, full_cache, _, _ = caches
+    d2t = frequency_d2t(torch.rand(VOCAB, generator=torch.Generator().manual_seed(7)), VOCAB // 3)
+    ids = d2t + torch.arange(len(d2t))
+    out = tmp_path / "vd"
+    target_cache.build(target, records, out, target="tiny", batch=4, lse_ids=ids)
+    cache = target_cache.TargetCache(out)
+    assert cache.lse_vocab == target_cache.lse_vocab_name(ids) != "full" and full_cache.lse_vocab == "full"
+    reduced = build_draft_model(default_config("dspark", "tiny", TAPS, VOCAB - 1, draft_vocab_size=len(d2t)),
+                                target, d2t=d2t)
+    gen = torch.Generator().manual_seed(0)
+    batch = make_batch(cache, [1, 4], 4, 3, gen, torch.device("cpu"))
+    rows = batch.anchors[:, None] + torch.arange(3)
+    got = target_logp(reduced, batch, rows)
+    torch.testing.assert_close(got.exp().sum(-1), torch.ones(got.shape[:2]), atol=5e-3, rtol=0)  # bf16 hidden
+    logits = target.head_logits(batch.hidden[batch.seq[:, None], rows]).float()
+    torch.testing.assert_close(got, logits[..., ids].log_softmax(-1), atol=2e-2, rtol=0)
+    before = (out / "shard-000" / "taps.npy").stat().st_mtime_ns
+    target_cache.build(target, records, out, target="tiny", batch=4)  # asked for the full lse: rebuilt
+    assert (out / "shard-000" / "taps.npy").stat().st_mtime_ns != before
+    assert target_cache.TargetCache(out).lse_vocab == "full"
+    _check_lse_vocab(cache, d2t)  # the same vocabulary trains
+    other = frequency_d2t(torch.rand(VOCAB, generator=torch.Generator().manual_seed(8)), VOCAB // 3)
+    for wrong in (None, other):
+        with pytest.raises(SystemExit, match="draft vocabulary"):
+            _check_lse_vocab(cache, wrong)
+
+
 @pytest.mark.parametrize("method", ["mtp", "eagle3", "dflash", "dspark"])
 def test_training_over_a_draft_vocabulary_exports_only_its_own_weights(caches, method):
     from training.draft_vocab import frequency_d2t

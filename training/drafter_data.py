@@ -16,7 +16,7 @@ from training import rollouts, target_cache
 def prepare(target: str, run_dir: Path, data_dir: Path, cfg: rollouts.RolloutConfig, val_per_domain: int = 64,
             tap_layers: tuple[int, ...] | None = None, mirror_dir: Path | None = None,
             rollout_dtype: str = "float32", rollouts_only: bool = False, feature_dtype: str = "float32",
-            shard_worker: tuple[int, int] | None = None) -> dict[str, Path]:
+            shard_worker: tuple[int, int] | None = None, lse_ids: torch.Tensor | None = None) -> dict[str, Path]:
     """Build (or resume) `run_dir/{train,val}` caches; returns their directories. `mirror_dir` keeps gzip copies
     of the rollouts (commit them: a fresh machine resumes the rollouts from them); `rollout_dtype` is the
     dtype the target generates in (the one it is served in); `feature_dtype` the one features are taken in (fp32
@@ -24,7 +24,9 @@ def prepare(target: str, run_dir: Path, data_dir: Path, cfg: rollouts.RolloutCon
     `rollouts_only`: stop after the rollouts (returns their files), the long part, before any feature is taken.
     `shard_worker` (k, n): build only the cache shards numbered k mod n, so n processes share the build (one
     thread each goes further on a small CPU than one process of n threads); the last to finish writes the
-    manifest, and a run without it afterwards completes whatever is missing."""
+    manifest, and a run without it afterwards completes whatever is missing. `lse_ids`: the train split's
+    log-sum-exp over those target ids only (training/target_cache.py); the held-out split's stays over the whole
+    vocabulary, so the acceptance early stopping reads is the exact one."""
     caches = {split: run_dir / "cache" / split for split in ("val", "train")}
     missing = [split for split, d in caches.items() if not (d / "manifest.json").exists()]
     if not missing:
@@ -47,5 +49,6 @@ def prepare(target: str, run_dir: Path, data_dir: Path, cfg: rollouts.RolloutCon
             caches[split] = out
             continue
         only = None if shard_worker is None else {n for n in range(1000) if n % shard_worker[1] == shard_worker[0]}
-        target_cache.build(model, rollouts.read(out), cache_dir, target=model_name(target), only=only)
+        target_cache.build(model, rollouts.read(out), cache_dir, target=model_name(target), only=only,
+                           lse_ids=lse_ids if split == "train" else None)
     return caches

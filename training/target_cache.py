@@ -9,10 +9,17 @@ over all sequences and memory-mapped; `manifest.json` holds offsets, lengths, do
 Files: ids.npy int32 [N], loss_mask.npy uint8 [N], taps.npy bf16-as-uint16 [N, T*d],
 hidden.npy bf16-as-uint16 [N, d], lse.npy fp32 [N] (NaN on prompt rows; caches of version 1 have none),
 manifest.json — per shard of `SHARD_SEQUENCES` sequences (`shard-NNN/`), the cache's manifest listing them.
+
+`lse_ids` (a draft vocabulary's target ids): the log-sum-exp runs over those rows of the head only, so p_t is
+the target's distribution renormalised over the draft vocabulary — what a drafter over it can learn at best (the
+soft targets differ from the exact ones by a factor 1 / (1 − m) a row, m the row's mass outside). On a CPU the
+262,144-row head is 60 % of a Gemma 3 270M cache's cost and the draft vocabulary's an eighth of that. The manifest
+names which (`lse_vocab`: "full" or the ids' sha256), and training checks it against its drafter's vocabulary.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from dataclasses import dataclass
@@ -22,7 +29,9 @@ import numpy as np
 import torch
 from rich.progress import track
 
+from services.gemma import softcap
 from services.model import CausalLM
+from services.packed_linear import linear, pack
 
 
 @dataclass(slots=True)
@@ -48,41 +57,73 @@ SHARD_SEQUENCES = 1000  # sequences per shard: the unit a cut build resumes from
 
 @torch.no_grad()
 def build(model: CausalLM, records: list[dict], out_dir: Path, target: str, batch: int = 8,
-          shard_sequences: int = SHARD_SEQUENCES, only: set[int] | None = None) -> dict | None:
+          shard_sequences: int = SHARD_SEQUENCES, only: set[int] | None = None,
+          lse_ids: torch.Tensor | None = None) -> dict | None:
     """Run the target over every (prompt, response) record and write the cache to `out_dir`: shards of
     `shard_sequences` records in the rollouts' order, each written to `.partial` and renamed, so a cut build
     resumes at its first missing shard (a shard is kept only while it holds the same records); the manifest,
     last, lists them. `only`: build just these shard numbers (processes may share a build) and write the
-    manifest only if every shard is then there (else None)."""
+    manifest only if every shard is then there (else None). `lse_ids` [Vd] int64: the log-sum-exp over those rows
+    of the head only (module docstring)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    lse_vocab = lse_vocab_name(lse_ids)
+    head = _Head(model, lse_ids)
     records = [r for r in records if len(r["response_ids"]) >= 2]
     parts = [(n, records[first : first + shard_sequences], out_dir / f"shard-{n:03d}")
              for n, first in enumerate(range(0, len(records), shard_sequences))]
     for number, part, shard in parts:
-        if (only is None or number in only) and not _holds(shard, part):
+        if (only is None or number in only) and not _holds(shard, part, lse_vocab):
             partial = shard.with_name(shard.name + ".partial")
             shutil.rmtree(partial, ignore_errors=True)
-            _build_shard(model, part, partial, target, batch)
+            _build_shard(model, head, part, partial, target, batch)
             shutil.rmtree(shard, ignore_errors=True)
             partial.rename(shard)
-    if not all(_holds(shard, part) for _, part, shard in parts):
+    if not all(_holds(shard, part, lse_vocab) for _, part, shard in parts):
         return None  # another process builds the rest
     shards = [json.loads((shard / "manifest.json").read_text()) for _, _, shard in parts]
     manifest = {"version": 2, "target": target, "tap_layers": list(model.tap_layers),
                 "hidden_size": model.config.hidden_size, "sequences": len(records),
                 "tokens": sum(m["tokens"] for m in shards),
-                "response_tokens": sum(m["response_tokens"] for m in shards),
+                "response_tokens": sum(m["response_tokens"] for m in shards), "lse_vocab": lse_vocab,
                 "shards": [f"shard-{n:03d}" for n in range(len(shards))]}
     (out_dir / "manifest.json").write_text(json.dumps(manifest) + "\n")
     return manifest
 
 
-def _holds(shard: Path, part: list[dict]) -> bool:
+def lse_vocab_name(lse_ids: torch.Tensor | None) -> str:
+    """What a cache's log-sum-exp runs over: "full", or the sha256 of the draft vocabulary's target ids."""
+    if lse_ids is None:
+        return "full"
+    return hashlib.sha256(lse_ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
+
+
+def _holds(shard: Path, part: list[dict], lse_vocab: str) -> bool:
     path = shard / "manifest.json"
-    return path.is_file() and json.loads(path.read_text())["ids"] == [r["id"] for r in part]
+    if not path.is_file():
+        return False
+    manifest = json.loads(path.read_text())
+    return manifest["ids"] == [r["id"] for r in part] and manifest.get("lse_vocab", "full") == lse_vocab
 
 
-def _build_shard(model: CausalLM, records: list[dict], out_dir: Path, target: str, batch: int) -> None:
+class _Head:
+    """The head rows the log-sum-exp runs over: the model's own head, or a packed copy of a draft vocabulary's."""
+
+    def __init__(self, model: CausalLM, lse_ids: torch.Tensor | None):
+        self.model, self.ids = model, lse_ids
+        self.rows = None
+        if lse_ids is not None:
+            self.rows = model.lm_head.weight.detach()[lse_ids.to(model.lm_head.weight.device)].contiguous()
+            self.packed = pack(self.rows)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self.rows is None:
+            return self.model.head_logits(h)
+        logits = linear(h.to(self.rows.dtype), self.rows, None, self.packed)
+        spec = self.model.config.gemma
+        return logits if spec is None else softcap(logits, spec.final_logit_softcapping)
+
+
+def _build_shard(model: CausalLM, head: _Head, records: list[dict], out_dir: Path, target: str, batch: int) -> None:
     out_dir.mkdir(parents=True)
     lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in records]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -109,21 +150,22 @@ def _build_shard(model: CausalLM, records: list[dict], out_dir: Path, target: st
             taps[lo : lo + n] = _bf16_bits(out.features[row, :n].cpu())
             hidden[lo : lo + n] = _bf16_bits(out.hidden[row, :n].cpu())
             lse[lo : lo + n] = np.nan  # prompt rows: no training row reads their target distribution
-            lse[lo + p : lo + n] = _log_sum_exp(model, out.hidden[row, p:n])
+            lse[lo + p : lo + n] = _log_sum_exp(head, out.hidden[row, p:n])
     for arr in (ids, mask, taps, hidden, lse):
         arr.flush()
     manifest = {"version": 2, "target": target, "tap_layers": list(model.tap_layers), "hidden_size": d,
                 "sequences": len(records), "tokens": total,
                 "response_tokens": int(sum(len(r["response_ids"]) for r in records)),
-                "offsets": offsets.tolist(), "domains": [r["domain"] for r in records],
+                "lse_vocab": lse_vocab_name(head.ids), "offsets": offsets.tolist(),
+                "domains": [r["domain"] for r in records],
                 "ids": [r["id"] for r in records]}
     (out_dir / "manifest.json").write_text(json.dumps(manifest) + "\n")
 
 
-def _log_sum_exp(model: CausalLM, hidden: torch.Tensor) -> np.ndarray:
-    """hidden [n, d] → log Σ_v exp(logit_v) [n] over the whole vocabulary, the head run 64 rows at a time (an
-    fp32 copy of 262,144 logits a row is 1 MiB)."""
-    out = [model.head_logits(hidden[i : i + 64]).float().logsumexp(-1) for i in range(0, len(hidden), 64)]
+def _log_sum_exp(head: _Head, hidden: torch.Tensor) -> np.ndarray:
+    """hidden [n, d] → log Σ_v exp(logit_v) [n] over the head's rows, run 64 rows at a time (an fp32 copy of
+    262,144 logits a row is 1 MiB)."""
+    out = [head.logits(hidden[i : i + 64]).float().logsumexp(-1) for i in range(0, len(hidden), 64)]
     return torch.cat(out).cpu().numpy() if out else np.zeros(0, np.float32)
 
 
@@ -135,6 +177,7 @@ class TargetCache:
         self.dir = Path(cache_dir)
         self.manifest = json.loads((self.dir / "manifest.json").read_text())
         self.tap_layers = tuple(self.manifest["tap_layers"])
+        self.lse_vocab = self.manifest.get("lse_vocab", "full")
         parts = [self.dir / name for name in self.manifest["shards"]] if "shards" in self.manifest else [self.dir]
         self._parts = [_Part(p) for p in parts]
         self._index = [(n, i) for n, part in enumerate(self._parts) for i in range(len(part))]
