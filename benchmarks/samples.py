@@ -53,10 +53,9 @@ class _Counting:
     def __init__(self, service):
         self.inner, self.positions = LocalVerifier(service), 0
 
-    async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of="", plain=None):
-        done = await self.inner.prefill(request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of,
-                                        plain)
-        self.positions += len(prompt_ids) - done.feature_start
+    async def prefill(self, call):
+        done = await self.inner.prefill(call)
+        self.positions += len(call.prompt_ids) - done.feature_start
         return done
 
     def __getattr__(self, name):

@@ -16,6 +16,7 @@ from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import session_stream
 from protos.status import abort_with
+from services.calls import AheadCall, DraftCall, OpenCall
 from services.errors import InvalidRequestError
 from services.tracing import context_from
 
@@ -33,8 +34,9 @@ class DrafterServicer(rpc.DrafterServicer):
                 limits = self.service.limits
                 context_ids = validate.token_ids(request.context_ids, limits.vocab_size, "context")
                 features = validate.features(request.features, limits.feature_width)
-                n = await self.service.open(validate.request_id(request.request_id), context_ids, features,
-                                            validate.params(request.params), request.cycle, request.method)
+                n = await self.service.open(OpenCall(validate.request_id(request.request_id), context_ids, features,
+                                                     validate.params(request.params), request.cycle, request.method,
+                                                     request.traceparent))
             except Exception as error:
                 await abort_with(context, error)
             method = request.method or self.service.default_method
@@ -56,8 +58,8 @@ class DrafterServicer(rpc.DrafterServicer):
                 limits = self.service.limits
                 new_ids = validate.token_ids(msg.new_ids, limits.vocab_size, "new")
                 features = validate.features(msg.features, limits.feature_width)
-                block = await self.service.draft(msg.request_id, msg.cycle, new_ids, msg.feature_start, features,
-                                                 validate.gamma(msg.gamma))
+                block = await self.service.draft(DraftCall(msg.request_id, msg.cycle, new_ids, msg.feature_start,
+                                                           features, validate.gamma(msg.gamma), msg.traceparent))
             except Exception as error:
                 return None, error
             span.set_attributes({"dspark.request_id": msg.request_id, "dspark.cycle": msg.cycle,
@@ -70,7 +72,8 @@ class DrafterServicer(rpc.DrafterServicer):
             if msg.new_ids or msg.features.ByteSize():
                 raise InvalidRequestError("an ahead notice carries no new_ids or features")
             gamma = validate.gamma(msg.gamma)
-            await self.service.ahead(msg.request_id, msg.cycle, gamma, validate.acceptance(msg.accept, gamma))
+            accept = validate.acceptance(msg.accept, gamma)
+            await self.service.ahead(AheadCall(msg.request_id, msg.cycle, gamma, accept))
         except Exception as error:
             return error
         return None

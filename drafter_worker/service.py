@@ -15,9 +15,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from drafter_worker.ahead_window import AheadWindow
+from services.calls import AheadCall, DraftCall, OpenCall
 from services.errors import InvalidRequestError, StaleCycleError
 from services.lease import Lease
 from services.tier_loop import TierLoop
@@ -85,11 +84,12 @@ class DrafterService(TierLoop):
                 item.done.set_exception(reason)
 
     # ---- session calls ------------------------------------------------------------------------
-    async def open(self, request_id: str, context_ids: list[int], features: torch.Tensor | None,
-                   params: SamplingParams, cycle: int = 0, method: str = "") -> int:
+    async def open(self, call: OpenCall) -> int:
         """(Re)open a request's context → positions with features. Replaces any earlier context."""
+        request_id, context_ids, features, params, cycle = (call.request_id, call.context_ids, call.features,
+                                                            call.params, call.cycle)
         self._check_open()
-        method = method or self.default_method
+        method = call.method or self.default_method
         if method not in self.proposers:
             raise InvalidRequestError(f"method {method!r} not hosted here (hosted: {', '.join(self.proposers)})")
         if not context_ids:
@@ -106,8 +106,9 @@ class DrafterService(TierLoop):
             self._sessions[request_id] = _DraftSession(method, list(context_ids), params, cycle, rows)
         return rows
 
-    async def draft(self, request_id: str, cycle: int, new_ids: list[int], feature_start: int,
-                    features: torch.Tensor | None, gamma: int) -> DraftBlock:
+    async def draft(self, call: DraftCall) -> DraftBlock:
+        request_id, cycle, new_ids, gamma = call.request_id, call.cycle, call.new_ids, call.gamma
+        feature_start, features = call.feature_start, call.features
         self._check_open()
         async with self._lock:
             session = self._sessions.get(request_id)
@@ -136,11 +137,12 @@ class DrafterService(TierLoop):
         self._wake.set()
         return await item.done
 
-    async def ahead(self, request_id: str, cycle: int, verify_len: int, accept: list[float] | None = None) -> None:
+    async def ahead(self, call: AheadCall) -> None:
         """The block answered for `cycle` was cut to `verify_len` drafts and sent: draft ahead of its outcomes
         (proposers with a speculation cache, `drafter_worker/ahead.py`), after any draft request waiting. A stale
         or unknown cycle, or a proposer without a cache, is ignored: drafting ahead is an optimisation. `accept`
         (the router's ĉ_k of the verified drafts) replaces the block's own estimate in choosing the outcomes."""
+        request_id, cycle, verify_len, accept = call.request_id, call.cycle, call.verify_len, call.accept
         self._check_open()
         async with self._lock:
             session = self._sessions.get(request_id)
@@ -295,14 +297,14 @@ class LocalDrafter:
     def __init__(self, service: DrafterService):
         self.service = service
 
-    async def open(self, request_id, context_ids, features, params, cycle, method, traceparent) -> None:
-        await self.service.open(request_id, context_ids, features, params, cycle, method)
+    async def open(self, call: OpenCall) -> None:
+        await self.service.open(call)
 
-    async def draft(self, request_id, cycle, new_ids, feature_start, features, gamma, traceparent) -> DraftBlock:
-        return await self.service.draft(request_id, cycle, new_ids, feature_start, features, gamma)
+    async def draft(self, call: DraftCall) -> DraftBlock:
+        return await self.service.draft(call)
 
-    async def ahead(self, request_id, cycle, verify_len, accept=None) -> None:
-        await self.service.ahead(request_id, cycle, verify_len, accept)
+    async def ahead(self, call: AheadCall) -> None:
+        await self.service.ahead(call)
 
     async def release(self, request_id) -> None:
         await self.service.release(request_id)

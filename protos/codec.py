@@ -7,6 +7,7 @@ import math
 import torch
 
 from protos.dspark.v1 import dspark_pb2 as pb
+from services.calls import AheadCall, DraftCall, OpenCall, PrefillCall, VerifyCall
 from services.errors import InvalidRequestError
 from services.types import (
     DraftBlock,
@@ -189,3 +190,33 @@ def outcome_from_pb(msg: pb.VerifyReply) -> StepOutput:
         num_accepted=msg.num_accepted, kind=_KINDS.get(msg.outcome), feature_start=msg.feature_start,
         features=tensor_from_pb(msg.features), logprobs=logprobs_from_pb(msg.logprobs, msg.HasField("logprobs")),
     )
+
+
+# The calls of services/calls.py on the wire; the servers build them back, validating each field.
+def prefill_call_to_pb(call: PrefillCall, feature_dtype: int) -> pb.PrefillRequest:
+    return pb.PrefillRequest(request_id=call.request_id, prompt_ids=call.prompt_ids, params=params_to_pb(call.params),
+                             resume_ids=call.resume_ids, feature_dtype=feature_dtype, traceparent=call.traceparent,
+                             share_prefix_of=call.share_prefix_of, **plain_run_to_pb(call.plain))
+
+
+def verify_call_to_pb(call: VerifyCall, feature_dtype: int) -> pb.VerifyRequest:
+    return pb.VerifyRequest(request_id=call.request_id, cycle=call.cycle, draft=block_to_pb(call.draft),
+                            feature_dtype=feature_dtype, traceparent=call.traceparent, **plain_run_to_pb(call.plain))
+
+
+def open_call_to_pb(call: OpenCall) -> pb.OpenRequest:
+    return pb.OpenRequest(request_id=call.request_id, context_ids=call.context_ids,
+                          features=tensor_to_pb(call.features), params=params_to_pb(call.params), cycle=call.cycle,
+                          method=call.method, traceparent=call.traceparent)
+
+
+def draft_call_to_pb(call: DraftCall) -> pb.DraftRequest:
+    return pb.DraftRequest(request_id=call.request_id, cycle=call.cycle, new_ids=call.new_ids,
+                           feature_start=call.feature_start, features=tensor_to_pb(call.features), gamma=call.gamma,
+                           traceparent=call.traceparent)
+
+
+def ahead_call_to_pb(call: AheadCall) -> pb.DraftRequest:
+    """An ahead notice rides the draft stream: a DraftRequest with `ahead` set and γ = the verify length."""
+    return pb.DraftRequest(request_id=call.request_id, cycle=call.cycle, gamma=call.verify_len, ahead=True,
+                           accept=call.accept or [])

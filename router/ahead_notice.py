@@ -13,6 +13,7 @@ import logging
 from router.scheduling.planner import Decision
 from router.session import Session
 from router.tiers.protocol import DrafterTier
+from services.calls import AheadCall
 from services.types import DraftBlock
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,6 @@ def ahead_notice(drafter: DrafterTier, s: Session, block: DraftBlock | None,
 
 async def _send(drafter: DrafterTier, s: Session, verify_len: int, accept: list[float] | None) -> None:
     try:
-        await drafter.ahead(s.request.request_id, s.cycle, verify_len, accept)
+        await drafter.ahead(AheadCall(s.request.request_id, s.cycle, verify_len, accept))
     except Exception as error:  # the next draft request finds out whether the drafter is still there
         log.debug("ahead notice for %s not sent: %s", s.request.request_id, error)

@@ -27,6 +27,7 @@ from router.scheduling.policy import Policy, max_verify_len
 from router.session import Chunk, RouterRequest, Session, Speculation, resolve
 from router.text_stream import TextStream
 from router.tiers.protocol import DrafterTier, VerifierTier
+from services.calls import DraftCall, OpenCall, PrefillCall, VerifyCall
 from services.errors import CapacityError, InvalidRequestError, StaleCycleError, TierUnavailableError
 from services.tokenizer import TextTokenizer
 from services.tracing import current_traceparent
@@ -240,8 +241,8 @@ class Router:
         s.new_ids, s.new_features = [], []
         try:
             # The context includes this cycle's anchor, so the next draft (this cycle) must be newer.
-            await self.drafter.open(s.request.request_id, s.committed, feats, s.params, max(0, s.cycle - 1),
-                                    s.spec.method, current_traceparent())
+            await self.drafter.open(OpenCall(s.request.request_id, s.committed, feats, s.params, max(0, s.cycle - 1),
+                                             s.spec.method, current_traceparent()))
             s.drafter_ok = True
         except Exception as error:
             self._detach(s, error)
@@ -263,8 +264,8 @@ class Router:
         new_ids, start, feats = s.take_delta()
         with self.tracer.start_as_current_span("draft", attributes={"dspark.gamma": s.spec.gamma}) as span:
             try:
-                block = await self.drafter.draft(s.request.request_id, s.cycle, new_ids, start, feats, s.spec.gamma,
-                                                 current_traceparent())
+                block = await self.drafter.draft(DraftCall(s.request.request_id, s.cycle, new_ids, start, feats,
+                                                           s.spec.gamma, current_traceparent()))
             except Exception as error:
                 self._detach(s, error)
                 return None
@@ -302,10 +303,10 @@ class Router:
             share = s.request.prefix.leader
         while True:
             try:
-                return await self.verifier.prefill(s.request.request_id, s.request.prompt_ids, params,
-                                                   s.output if resume else [], current_traceparent(), share,
-                                                   self.config.plain if s.spec.method == "none" or s.handed_off
-                                                   else None)
+                plain = self.config.plain if s.spec.method == "none" or s.handed_off else None
+                return await self.verifier.prefill(PrefillCall(s.request.request_id, s.request.prompt_ids, params,
+                                                               list(s.output) if resume else [],
+                                                               current_traceparent(), share, plain))
             except TierUnavailableError:
                 if time.monotonic() > deadline:
                     raise
@@ -315,8 +316,8 @@ class Router:
         """`plain`: hand the request to a plain run with this call (after a re-prefill it is prefilled as one)."""
         for _ in range(3):
             try:
-                done = await self.verifier.verify(s.request.request_id, s.vcycle + 1, block, current_traceparent(),
-                                                  plain)
+                done = await self.verifier.verify(VerifyCall(s.request.request_id, s.vcycle + 1, block,
+                                                             current_traceparent(), plain))
                 s.vcycle += 1
                 return done
             except (TierUnavailableError, StaleCycleError) as error:

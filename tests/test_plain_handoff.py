@@ -13,13 +13,14 @@ from router.scheduling.planner import VerifyPlanner
 from router.scheduling.policy import Policy
 from router.session import RouterRequest, Speculation
 from router.tiers.grpc import GrpcVerifier
+from services.calls import PrefillCall, VerifyCall
 from services.errors import InvalidRequestError
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
 from services.types import DraftBlock, PlainRun, SamplingParams
 from tests.conftest import random_prompts, started_verifier
 from tests.tiers import PROMPTS, TARGET, FlakyVerifier, plain_greedy, verifier_settings
-from verifier_worker.service import LocalVerifier, VerifierService
+from verifier_worker.service import LocalVerifier
 
 GREEDY = SamplingParams(max_tokens=24)
 SAMPLED = SamplingParams(max_tokens=24, temperature=1.0, seed=5)
@@ -29,15 +30,13 @@ async def _decode(verifier, rid: str, prompt: list[int], params: SamplingParams,
                   first_draft: list[int] | None = None) -> tuple[list[int], list[int]]:
     """Plain cycles (the first with `first_draft` as its block), handed to PlainRun(6, 3) at cycle `handoff_at`
     → (tokens, tokens per reply). `verifier`: a VerifierService or a router-side tier."""
-    tier = not isinstance(verifier, VerifierService)
-    pre = await (verifier.prefill(rid, prompt, params, [], "") if tier else verifier.prefill(rid, prompt, params))
+    pre = await verifier.prefill(PrefillCall(rid, prompt, params))
     tokens, replies, cycle = list(pre.emitted), [], 0
     while len(tokens) < params.max_tokens:
         cycle += 1
         draft = DraftBlock(tokens=first_draft) if cycle == 1 and first_draft else None
         plain = PlainRun(6, 3) if cycle == handoff_at else None
-        out = (await (verifier.verify(rid, cycle, draft, "", plain) if tier
-                      else verifier.verify(rid, cycle, draft, plain))).output
+        out = (await verifier.verify(VerifyCall(rid, cycle, draft, plain=plain))).output
         tokens += out.emitted
         replies.append(len(out.emitted))
     await verifier.release(rid)
@@ -66,15 +65,15 @@ def test_after_the_hand_off_no_draft_is_taken_and_a_bad_hand_off_changes_nothing
 
     async def main():
         service = await started_verifier(tiny_model)
-        first = (await service.prefill("r", prompt, GREEDY)).emitted
+        first = (await service.prefill(PrefillCall("r", prompt, GREEDY))).emitted
         with pytest.raises(InvalidRequestError, match="empty draft"):
-            await service.verify("r", 1, DraftBlock(tokens=[1, 2]), PlainRun(4, 2))
+            await service.verify(VerifyCall("r", 1, DraftBlock(tokens=[1, 2]), plain=PlainRun(4, 2)))
         with pytest.raises(InvalidRequestError, match="plain_depth"):
-            await service.verify("r", 1, None, PlainRun(99, 1))
-        out = (await service.verify("r", 1, None, PlainRun(4, 2))).output.emitted  # cycle 1 still expected
+            await service.verify(VerifyCall("r", 1, None, plain=PlainRun(99, 1)))
+        out = (await service.verify(VerifyCall("r", 1, None, plain=PlainRun(4, 2)))).output.emitted  # cycle 1 still
         with pytest.raises(InvalidRequestError, match="no drafts"):
-            await service.verify("r", 2, DraftBlock(tokens=[1, 2]))
-        more = (await service.verify("r", 2, None)).output.emitted
+            await service.verify(VerifyCall("r", 2, DraftBlock(tokens=[1, 2])))
+        more = (await service.verify(VerifyCall("r", 2, None))).output.emitted
         await service.stop()
         return first, out, more
 

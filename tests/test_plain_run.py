@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from router.router import Router, RouterConfig
 from router.session import RouterRequest
 from router.settings import RouterSettings
+from services.calls import PrefillCall, VerifyCall
 from services.errors import InvalidRequestError
 from services.types import DraftBlock, PlainRun, SamplingParams
 from tests.conftest import random_prompts, started_verifier
@@ -25,12 +26,12 @@ async def _decode(service: VerifierService, rid: str, prompt: list[int], params:
                   plain: PlainRun | None, pause_s: float = 0.0, release: bool = True) -> tuple[list[int], list[int]]:
     """A caller of the verifier that sends no drafts → (tokens, tokens per reply); `pause_s` between calls, the
     slot freed at the end unless `release` is false."""
-    tokens = list((await service.prefill(rid, prompt, params, plain=plain)).emitted)
+    tokens = list((await service.prefill(PrefillCall(rid, prompt, params, plain=plain))).emitted)
     replies, cycle = [], 0
     while len(tokens) < params.max_tokens and tokens[-1] not in params.stop_token_ids:
         await asyncio.sleep(pause_s)
         cycle += 1
-        out = (await service.verify(rid, cycle, None)).output
+        out = (await service.verify(VerifyCall(rid, cycle, None))).output
         tokens += out.emitted
         replies.append(len(out.emitted))
     if release:
@@ -74,7 +75,7 @@ def test_running_ahead_stops_at_a_stop_token_and_at_max_tokens(tiny_model):
         await asyncio.sleep(0.05)  # time for steps that should not happen
         after_stop = service.engine.num_tokens("stop") - len(prompt)
         short = SamplingParams(max_tokens=6)
-        await service.prefill("short", prompt, short, plain=PlainRun(8, 1))
+        await service.prefill(PrefillCall("short", prompt, short, plain=PlainRun(8, 1)))
         await asyncio.sleep(0.05)
         after_max = service.engine.num_tokens("short") - len(prompt)
         await service.stop()
@@ -93,14 +94,14 @@ def test_a_run_ahead_request_refuses_drafts_and_bad_depths_change_nothing(tiny_m
         service = await started_verifier(tiny_model)
         reference, _ = await _decode(service, "ref", prompt, GREEDY, None)
         with pytest.raises(InvalidRequestError, match="plain_depth"):
-            await service.prefill("deep", prompt, GREEDY, plain=PlainRun(MAX_DEPTH + 1, 1))
+            await service.prefill(PrefillCall("deep", prompt, GREEDY, plain=PlainRun(MAX_DEPTH + 1, 1)))
         with pytest.raises(InvalidRequestError, match="stream_interval"):
-            await service.prefill("wide", prompt, GREEDY, plain=PlainRun(2, 3))
+            await service.prefill(PrefillCall("wide", prompt, GREEDY, plain=PlainRun(2, 3)))
         held = service.engine.num_running
-        first = (await service.prefill("r", prompt, GREEDY, plain=PlainRun(2, 1))).emitted
+        first = (await service.prefill(PrefillCall("r", prompt, GREEDY, plain=PlainRun(2, 1)))).emitted
         with pytest.raises(InvalidRequestError, match="no drafts"):
-            await service.verify("r", 1, DraftBlock(tokens=reference[1:3]))
-        rest = (await service.verify("r", 1, None)).output.emitted
+            await service.verify(VerifyCall("r", 1, DraftBlock(tokens=reference[1:3])))
+        rest = (await service.verify(VerifyCall("r", 1, None))).output.emitted
         await service.stop()
         return reference, held, first + rest
 

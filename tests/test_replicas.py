@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import router.tiers.replicas as replicas_mod
 from router.tiers.pooled import PooledDrafter, PooledVerifier, Pools, StaticDiscovery
 from router.tiers.replicas import Member, ReplicaSet
+from services.calls import DraftCall, OpenCall, PrefillCall, VerifyCall
 from services.errors import StaleCycleError, TierUnavailableError
 
 
@@ -51,12 +52,11 @@ class FakeClient:
             raise self.fail_with
         return (name, self.address)
 
-    async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of="",
-                      plain=None):
-        return await self._call("prefill", request_id)
+    async def prefill(self, call):
+        return await self._call("prefill", call.request_id)
 
-    async def verify(self, request_id, cycle, draft, traceparent, plain=None):
-        return await self._call("verify", request_id, cycle)
+    async def verify(self, call):
+        return await self._call("verify", call.request_id, call.cycle)
 
     async def release(self, request_id):
         return await self._call("release", request_id)
@@ -67,11 +67,11 @@ class FakeClient:
     async def profile(self):
         return await self._call("profile")
 
-    async def open(self, request_id, context_ids, features, params, cycle, method, traceparent):
-        return await self._call("open", request_id, cycle)
+    async def open(self, call):
+        return await self._call("open", call.request_id, call.cycle)
 
-    async def draft(self, request_id, cycle, new_ids, feature_start, features, gamma, traceparent):
-        return await self._call("draft", request_id, cycle)
+    async def draft(self, call):
+        return await self._call("draft", call.request_id, call.cycle)
 
     def names(self, name: str) -> list[tuple]:
         return [c for c in self.calls if c[0] == name]
@@ -326,22 +326,22 @@ def test_pooled_verifier_failover_re_prefills_on_the_other_replica(clock):
     v = PooledVerifier(rs)
 
     async def run():
-        first = await v.prefill("r", [1, 2], None, [], "")
+        first = await v.prefill(PrefillCall("r", [1, 2], None, []))
         rid = first[1].split(":")[0]
         other = "b" if rid == "a" else "a"
-        assert await v.verify("r", 1, None, "") == ("verify", f"{rid}:1")
+        assert await v.verify(VerifyCall("r", 1, None)) == ("verify", f"{rid}:1")
         rs.client(rid).fail_with = TierUnavailableError("replica died")
         with pytest.raises(TierUnavailableError):
-            await v.verify("r", 2, None, "")
+            await v.verify(VerifyCall("r", 2, None))
         assert rs.placed("r") is None and rs.healthy() == [other]
         # What the router does next: release (nothing is placed any more), then re-prefill.
         await v.release("r")
         assert rs.client(rid).names("release") == []
-        assert await v.prefill("r", [1, 2], None, [7], "") == ("prefill", f"{other}:1")
-        assert await v.verify("r", 1, None, "") == ("verify", f"{other}:1")
+        assert await v.prefill(PrefillCall("r", [1, 2], None, [7])) == ("prefill", f"{other}:1")
+        assert await v.verify(VerifyCall("r", 1, None)) == ("verify", f"{other}:1")
         # A verify whose request was never (or no longer) placed: the router re-prefills too.
         with pytest.raises(TierUnavailableError, match="left the pool"):
-            await v.verify("ghost", 1, None, "")
+            await v.verify(VerifyCall("ghost", 1, None))
         return rid, other
 
     rid, other = asyncio.run(run())
@@ -354,11 +354,11 @@ def test_pooled_verifier_stale_cycle_does_not_mark_the_replica_down():
     v = PooledVerifier(rs)
 
     async def run():
-        await v.prefill("r", [1], None, [], "")
+        await v.prefill(PrefillCall("r", [1], None, []))
         rid = rs.placed("r")[0]
         rs.client(rid).fail_with = StaleCycleError("unknown request")
         with pytest.raises(StaleCycleError):
-            await v.verify("r", 1, None, "")
+            await v.verify(VerifyCall("r", 1, None))
         return rid
 
     rid = asyncio.run(run())
@@ -370,14 +370,14 @@ def test_pooled_verifier_prefill_failure_marks_down_and_release_goes_to_the_righ
     v = PooledVerifier(rs)
 
     async def run():
-        await v.prefill("keep", [1], None, [], "")
+        await v.prefill(PrefillCall("keep", [1], None, []))
         keep = rs.placed("keep")[0]
         other = "b" if keep == "a" else "a"
         rs.client(other).fail_with = TierUnavailableError("refused")
         with pytest.raises(TierUnavailableError):
-            await v.prefill("new", [1], None, [], "")  # least loaded: the other replica, which fails
+            await v.prefill(PrefillCall("new", [1], None, []))  # least loaded: the other replica, which fails
         assert rs.healthy() == [keep] and rs.placed("new") is None
-        assert await v.prefill("new", [1], None, [], "") == ("prefill", f"{keep}:1")
+        assert await v.prefill(PrefillCall("new", [1], None, [])) == ("prefill", f"{keep}:1")
         await v.release("keep")
         assert rs.client(keep).names("release") == [("release", "keep")]
         assert rs.client(other).names("release") == []
@@ -398,15 +398,15 @@ def test_pooled_drafter_reopen_releases_old_context_and_places_anew(clock):
     d = PooledDrafter(rs)
 
     async def run():
-        await d.open("r", [1, 2], None, None, 0, "dspark", "")
+        await d.open(OpenCall("r", [1, 2], None, None, 0, "dspark"))
         rid = rs.placed("r")[0]
         other = "b" if rid == "a" else "a"
         assert rs.client(rid).names("open") == [("open", "r", 0)]
-        assert await d.draft("r", 1, [3], 1, None, 7, "") == ("draft", f"{rid}:1")
+        assert await d.draft(DraftCall("r", 1, [3], 1, None, 7)) == ("draft", f"{rid}:1")
         # Reopen without a failure (e.g. after a stale cycle) while rid drains: the old context is
         # released there and the new one is placed anew, on the member that takes new requests.
         rs.update([Member(rid, f"{rid}:1", draining=True), Member(other, f"{other}:1")])
-        await d.open("r", [1, 2, 3], None, None, 1, "dspark", "")
+        await d.open(OpenCall("r", [1, 2, 3], None, None, 1, "dspark"))
         assert rs.client(rid).names("release") == [("release", "r")]
         assert rs.placed("r")[0] == other and rs.client(other).names("open") == [("open", "r", 1)]
         assert rs.load() == {"a": 0, "b": 0} | {other: 1}
@@ -416,7 +416,7 @@ def test_pooled_drafter_reopen_releases_old_context_and_places_anew(clock):
             raise TierUnavailableError("gone")
 
         rs.client(other).release = broken_release
-        await d.open("r", [1, 2, 3], None, None, 1, "dspark", "")
+        await d.open(OpenCall("r", [1, 2, 3], None, None, 1, "dspark"))
         assert rs.placed("r")[0] == other and rs.load()[other] == 1
         assert len(rs.client(other).names("open")) == 2 and rs.healthy() == [other]
 
@@ -428,28 +428,28 @@ def test_pooled_drafter_draft_failure_marks_down_and_reopen_lands_elsewhere(cloc
     d = PooledDrafter(rs)
 
     async def run():
-        await d.open("r", [1, 2], None, None, 0, "dspark", "")
+        await d.open(OpenCall("r", [1, 2], None, None, 0, "dspark"))
         rid = rs.placed("r")[0]
         other = "b" if rid == "a" else "a"
         rs.client(rid).fail_with = TierUnavailableError("drafter died")
         with pytest.raises(TierUnavailableError):
-            await d.draft("r", 1, [3], 1, None, 7, "")
+            await d.draft(DraftCall("r", 1, [3], 1, None, 7))
         assert rs.healthy() == [other] and rs.placed("r") is None
         with pytest.raises(TierUnavailableError, match="left the pool"):
-            await d.draft("r", 2, [4], 2, None, 7, "")
-        await d.open("r", [1, 2, 3, 4], None, None, 2, "dspark", "")
+            await d.draft(DraftCall("r", 2, [4], 2, None, 7))
+        await d.open(OpenCall("r", [1, 2, 3, 4], None, None, 2, "dspark"))
         assert rs.placed("r")[0] == other
         assert rs.client(rid).names("release") == []  # nothing placed there any more
-        assert await d.draft("r", 3, [5], 4, None, 7, "") == ("draft", f"{other}:1")
+        assert await d.draft(DraftCall("r", 3, [5], 4, None, 7)) == ("draft", f"{other}:1")
         await d.release("r")
         assert rs.client(other).names("release") == [("release", "r")] and rs.placed("r") is None
         # An open that fails marks its replica down too.
         rs.client(other).fail_with = TierUnavailableError("refused")
         with pytest.raises(TierUnavailableError):
-            await d.open("s", [1], None, None, 0, "dspark", "")
+            await d.open(OpenCall("s", [1], None, None, 0, "dspark"))
         assert rs.healthy() == [] and rs.placed("s") is None
         with pytest.raises(TierUnavailableError):
-            await d.open("s", [1], None, None, 0, "dspark", "")
+            await d.open(OpenCall("s", [1], None, None, 0, "dspark"))
 
     asyncio.run(run())
 
@@ -488,8 +488,8 @@ def test_pools_refresh_with_static_discovery_and_close_every_client():
         assert [m.replica_id for m in pools.verifiers.members()] == ["v1:1", "v2:1"]
         assert [c.address for c in pools.drafters.clients()] == ["d1:1"]
         assert closed == [] and pools.verifiers.down_s == 2.0
-        await pools.verifier.prefill("r", [1], None, [], "")
-        await pools.drafter.open("r", [1], None, None, 0, "dspark", "")
+        await pools.verifier.prefill(PrefillCall("r", [1], None, []))
+        await pools.drafter.open(OpenCall("r", [1], None, None, 0, "dspark"))
         await pools.close()
 
     asyncio.run(run())
@@ -537,21 +537,21 @@ def test_a_lost_replica_has_the_streams_of_all_its_requests_cancelled():
     async def run():
         await pools.refresh()
         for r in ("r0", "r1", "r2", "r3"):
-            await pools.verifier.prefill(r, [1], None, [], "")
-            await pools.drafter.open(r, [1], None, None, 0, "dspark", "")
+            await pools.verifier.prefill(PrefillCall(r, [1], None, []))
+            await pools.drafter.open(OpenCall(r, [1], None, None, 0, "dspark"))
         victim, client = pools.verifiers.placed("r0")
         held = sorted(r for r in ("r0", "r1", "r2", "r3") if pools.verifiers.placed(r)[0] == victim)
         client.fail_with = TierUnavailableError("stalled")
         with pytest.raises(TierUnavailableError):
-            await pools.verifier.verify("r0", 1, None, "")
+            await pools.verifier.verify(VerifyCall("r0", 1, None))
         assert sorted(c[1] for c in client.calls if c[0] == "forget") == held
         assert all(pools.verifiers.placed(r) is None for r in held)
-        moved = await pools.verifier.prefill("r0", [1], None, [], "")
+        moved = await pools.verifier.prefill(PrefillCall("r0", [1], None, []))
         assert moved[1] != victim  # re-prefilled on the other replica
         _, d_client = pools.drafters.placed("r1")
         d_client.fail_with = TierUnavailableError("gone")
         with pytest.raises(TierUnavailableError):
-            await pools.drafter.draft("r1", 1, [], 0, None, 4, "")
+            await pools.drafter.draft(DraftCall("r1", 1, [], 0, None, 4))
         assert "r1" in [c[1] for c in d_client.calls if c[0] == "forget"]
 
     asyncio.run(run())
@@ -604,36 +604,34 @@ def test_router_over_pools_survives_a_lost_verifier_and_drafter_replica():
             super().__init__(service)
             self.address, self.prefills, self.verifies = address, [], 0
 
-        async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of="",
-                          plain=None):
+        async def prefill(self, call):
             doomed.setdefault("verifier", self.address)
-            self.prefills.append(len(resume_ids))
-            return await super().prefill(request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of,
-                                         plain)
+            self.prefills.append(len(call.resume_ids))
+            return await super().prefill(call)
 
-        async def verify(self, request_id, cycle, draft, traceparent, plain=None):
+        async def verify(self, call):
             self.verifies += 1
             if doomed["verifier"] == self.address and self.verifies == 3:
-                await self.service.release(request_id)
+                await self.service.release(call.request_id)
                 raise TierUnavailableError("verifier replica restarted")
-            return await super().verify(request_id, cycle, draft, traceparent, plain)
+            return await super().verify(call)
 
     class DoomedDrafter(LocalDrafter):
         def __init__(self, address, service):
             super().__init__(service)
             self.address, self.opens, self.drafts = address, 0, 0
 
-        async def open(self, *args):
+        async def open(self, call):
             doomed.setdefault("drafter", self.address)
             self.opens += 1
-            return await super().open(*args)
+            return await super().open(call)
 
-        async def draft(self, request_id, *args):
+        async def draft(self, call):
             self.drafts += 1
             if doomed["drafter"] == self.address and self.drafts == 2:
-                await self.service.release(request_id)
+                await self.service.release(call.request_id)
                 raise TierUnavailableError("drafter replica unreachable")
-            return await super().draft(request_id, *args)
+            return await super().draft(call)
 
     async def run():
         model = load_target(verifier_settings())

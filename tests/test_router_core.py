@@ -14,6 +14,7 @@ from router.scheduling.planner import CycleRecord, VerifyPlanner
 from router.scheduling.policy import Policy
 from router.session import Speculation, resolve
 from router.text_stream import TextStream
+from services.calls import DraftCall, OpenCall
 from services.errors import InvalidRequestError, StaleCycleError
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
@@ -135,7 +136,7 @@ def test_the_drafter_lease_frees_contexts_no_stream_carries():
         service = DrafterService({"random": RandomProposer(96)}, {"random": 4}, lease_s=0.2)
         await service.start()
         for rid in ("orphan", "carried"):
-            await service.open(rid, [1, 2, 3], torch.zeros(2, 4), SamplingParams())
+            await service.open(OpenCall(rid, [1, 2, 3], torch.zeros(2, 4), SamplingParams()))
         service.attach("carried")
         await asyncio.sleep(0.5)
         after_lease = sorted(service._sessions)
@@ -153,14 +154,14 @@ def test_drafter_service_rejects_stale_cycles_and_gaps_in_features():
     async def run():
         service = DrafterService({"random": RandomProposer(96)}, {"random": 4})
         await service.start()
-        await service.open("r", [1, 2, 3], torch.zeros(2, 4), SamplingParams())
-        block = await service.draft("r", 1, [7, 8], 2, torch.zeros(2, 4), 3)
+        await service.open(OpenCall("r", [1, 2, 3], torch.zeros(2, 4), SamplingParams()))
+        block = await service.draft(DraftCall("r", 1, [7, 8], 2, torch.zeros(2, 4), 3))
         errors = []
         for args in ((1, [9], 4, torch.zeros(1, 4), 3), (2, [9], 5, torch.zeros(1, 4), 3), (2, [9], 4, None, 3)):
             with pytest.raises((StaleCycleError, InvalidRequestError)) as info:
-                await service.draft("r", *args)
+                await service.draft(DraftCall("r", *args))
             errors.append(info.type)
-        ok = await service.draft("r", 3, [9], 4, torch.zeros(1, 4), 2)  # gaps in cycle numbers are fine
+        ok = await service.draft(DraftCall("r", 3, [9], 4, torch.zeros(1, 4), 2))  # gaps in cycle numbers are fine
         await service.stop()
         return block, errors, ok
 

@@ -14,6 +14,7 @@ from drafter_worker.service import DrafterService
 from drafter_worker.speculation import Outcome, PredraftCache, Predrafted, Steering, likely_outcomes, outcome_of
 from router.offline import GenerationRequest, LocalRouter
 from router.scheduling.policy import Policy
+from services.calls import AheadCall, DraftCall, OpenCall
 from services.types import DraftBlock, SamplingParams
 from tests.conftest import make_engine, make_model, random_prompts
 from tests.drafters import RandomProposer
@@ -138,12 +139,12 @@ def test_the_fan_out_follows_the_acceptance_the_router_sends():
         proposer = _Recording()
         service = DrafterService({"random": proposer}, {"random": 4})
         await service.start()
-        await service.open("r", [1, 2, 3], torch.zeros(2, 4), SamplingParams())
-        await service.draft("r", 1, [7], 2, torch.zeros(1, 4), 3)
-        await service.ahead("r", 1, 2, [0.9, 0.4])  # the router's ĉ_k of the two verified drafts
+        await service.open(OpenCall("r", [1, 2, 3], torch.zeros(2, 4), SamplingParams()))
+        await service.draft(DraftCall("r", 1, [7], 2, torch.zeros(1, 4), 3))
+        await service.ahead(AheadCall("r", 1, 2, [0.9, 0.4]))  # the router's ĉ_k of the two verified drafts
         await asyncio.sleep(0.2)
-        await service.draft("r", 2, [5], 3, torch.zeros(1, 4), 3)
-        await service.ahead("r", 2, 3)  # none sent: the block's own estimate (this proposer has none)
+        await service.draft(DraftCall("r", 2, [5], 3, torch.zeros(1, 4), 3))
+        await service.ahead(AheadCall("r", 2, 3))  # none sent: the block's own estimate (this proposer has none)
         await asyncio.sleep(0.2)
         await service.stop()
         return proposer.seen
@@ -203,12 +204,12 @@ def test_a_hit_is_answered_at_once_and_a_saturated_miss_falls_back_to_no_drafts(
         proposer = _Cached()
         service = DrafterService({"random": proposer}, {"random": 4}, fallback_queue=1)
         await service.start()
-        await service.open("r", [1, 2, 3], torch.zeros(2, 4), SamplingParams())
-        await service.draft("r", 1, [7], 2, torch.zeros(1, 4), 3)
-        await service.ahead("r", 1, 2)
+        await service.open(OpenCall("r", [1, 2, 3], torch.zeros(2, 4), SamplingParams()))
+        await service.draft(DraftCall("r", 1, [7], 2, torch.zeros(1, 4), 3))
+        await service.ahead(AheadCall("r", 1, 2))
         proposer.answers["r"] = DraftBlock(tokens=[5, 6, 7, 8], ahead=True)
-        hit = await service.draft("r", 2, [4], 3, torch.zeros(1, 4), 3)
-        await service.ahead("r", 2, 3)  # after the hit: the cut of the cached block goes to verification
+        hit = await service.draft(DraftCall("r", 2, [4], 3, torch.zeros(1, 4), 3))
+        await service.ahead(AheadCall("r", 2, 3))  # after the hit: the cut of the cached block goes to verification
         await service.stop()
         return hit, service
 

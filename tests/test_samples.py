@@ -69,10 +69,9 @@ def test_the_router_prefills_samples_beside_their_leader(tiny_model):
     calls = []
 
     class Spy(LocalVerifier):
-        async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of="",
-                          plain=None):
-            done = await super().prefill(request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of)
-            calls.append((request_id, share_prefix_of, done.feature_start))
+        async def prefill(self, call):
+            done = await super().prefill(call)
+            calls.append((call.request_id, call.share_prefix_of, done.feature_start))
             return done
 
     async def main():

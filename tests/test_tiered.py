@@ -271,15 +271,15 @@ class _BlinkingDrafter(LocalDrafter):
         super().__init__(service)
         self.drafts = self.opens = 0
 
-    async def open(self, *args):
+    async def open(self, call):
         self.opens += 1
-        await super().open(*args)
+        await super().open(call)
 
-    async def draft(self, *args):
+    async def draft(self, call):
         self.drafts += 1
         if self.drafts == 2:
             raise TierUnavailableError("drafter unreachable")
-        return await super().draft(*args)
+        return await super().draft(call)
 
 
 def test_a_lost_drafter_is_reattached_and_drafts_again(tokenizer):

@@ -110,9 +110,9 @@ class FlakyVerifier(LocalVerifier):
 
     calls = 0
 
-    async def verify(self, request_id, cycle, draft, traceparent, plain=None):
+    async def verify(self, call):
         self.calls += 1
         if self.calls == 3:
-            await self.service.release(request_id)
+            await self.service.release(call.request_id)
             raise TierUnavailableError("replica restarted")
-        return await super().verify(request_id, cycle, draft, traceparent, plain)
+        return await super().verify(call)

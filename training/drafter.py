@@ -27,7 +27,7 @@ from training.anchors import block_labels, sample_anchors
 from training.drafter_losses import decay_weights, dflash_loss, dspark_loss, soft_ce_loss, standin_loss, step_weights
 from training.early_stop import EarlyStop, expected_accepted
 from training.run_mirror import load_mirror, save_mirror
-from training.schedule import warmup_cosine
+from training.schedule import cosine_at, warmup_cosine
 from training.state import resume_state, save_state
 from training.target_cache import TargetCache
 
@@ -54,6 +54,8 @@ class DrafterTrainConfig:
     # drafting ahead runs it on its own output as context (drafter_worker/predraft.py), which a second step trains
     mirror_dir: Path | None = None  # a compact copy of the run for git (run_mirror.py); None: none
     mirror_every: int = 250
+    time_budget_s: float = 0.0  # > 0: stop when the run's training time reaches it, the cosine decay spread over
+    # that time rather than over `steps` (which stays a cap): a run that must end within a session ends decayed
 
 
 @dataclass(slots=True)
@@ -159,16 +161,22 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
     device = target.device
     autocast = native_bf16(device) if cfg.autocast is None else cfg.autocast  # validation stays fp32
     warmup = max(1, int(cfg.warmup_ratio * cfg.steps))
+    budget = cfg.time_budget_s
+    if budget > 0:
+        warmup = min(warmup, 50)  # the step count is a cap then, not the length of the run
     log(f"{dcfg.method}: {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, {cfg.steps} steps of "
         f"{cfg.batch_sequences}x{cfg.anchors_per_sequence} anchors, γ={dcfg.block_size}, bf16 autocast {autocast}, "
         f"starting at step {step}")
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TextColumn("{task.fields[info]}"), TimeRemainingColumn()) as bar:
         task = bar.add_task(f"train {dcfg.method}", total=cfg.steps, completed=step, info="")
-        while step < cfg.steps and not keeper.stopped:
+        while step < cfg.steps and not keeper.stopped and not (budget > 0 and elapsed >= budget):
             t0 = time.perf_counter()
             for group in opt.param_groups:
-                group["lr"] = warmup_cosine(step, cfg.steps, warmup, cfg.lr, floor_ratio=0.0)
+                if budget > 0 and step >= warmup:
+                    group["lr"] = cosine_at(elapsed / budget, cfg.lr, floor_ratio=0.0)
+                else:
+                    group["lr"] = warmup_cosine(step, cfg.steps, warmup, cfg.lr, floor_ratio=0.0)
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # batch of step n is fixed: resumable
             indices = torch.randint(len(cache), (cfg.batch_sequences,), generator=gen).tolist()
             batch = make_batch(cache, indices, cfg.anchors_per_sequence, steps_per_anchor, gen, device)
@@ -182,16 +190,17 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
             elapsed += time.perf_counter() - t0
             record = {"step": step, "elapsed_s": round(elapsed, 1), "loss": round(loss.item(), 4),
                       **{k: round(v.item(), 4) for k, v in terms.items() if v.dim() == 0}}
-            if step % cfg.eval_every == 0 or step == cfg.steps:
+            last = step == cfg.steps or (budget > 0 and elapsed >= budget)
+            if step % cfg.eval_every == 0 or last:
                 record["val"] = evaluate(model, val, cfg)
                 if keeper.update(cfg.run_dir, model, step, record["val"]["expected_accepted"]):
                     log(f"stopping early at step {step}: no better held-out acceptance since step {keeper.best_step}")
             with (cfg.run_dir / "log.jsonl").open("a") as f:
                 f.write(json.dumps(record) + "\n")
             bar.update(task, completed=step, info=f"loss {record['loss']:.3f}")
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps or keeper.stopped:
+            if step % cfg.checkpoint_every == 0 or last or keeper.stopped:
                 save_state(cfg.run_dir, model, opt, step, elapsed, {k: str(v) for k, v in asdict(cfg).items()})
-            if cfg.mirror_dir is not None and (step % cfg.mirror_every == 0 or step == cfg.steps or keeper.stopped):
+            if cfg.mirror_dir is not None and (step % cfg.mirror_every == 0 or last or keeper.stopped):
                 save_mirror(cfg.mirror_dir, cfg.run_dir, model, opt, step, elapsed, keeper.best_step)
     best = keeper.restore_best(cfg.run_dir, model)
     if best is not None:

@@ -15,6 +15,7 @@ from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import session_stream
 from protos.status import abort_with
+from services.calls import PrefillCall, VerifyCall
 from services.tracing import context_from
 from verifier_worker.profile import SpsPoint
 from verifier_worker.service import VerifierService
@@ -33,9 +34,10 @@ class VerifierServicer(rpc.VerifierServicer):
             try:  # every check before the prefill: a rejected message must not hold a KV slot
                 dtype = codec.wire_dtype(request.feature_dtype)
                 params = validate.params(request.params)
-                done = await self.service.prefill(validate.request_id(request.request_id), list(request.prompt_ids),
-                                                  params, list(request.resume_ids), request.share_prefix_of,
-                                                  codec.plain_run_from_pb(request))
+                done = await self.service.prefill(PrefillCall(
+                    validate.request_id(request.request_id), list(request.prompt_ids), params,
+                    list(request.resume_ids), request.traceparent, request.share_prefix_of,
+                    codec.plain_run_from_pb(request)))
             except Exception as error:
                 await abort_with(context, error)
             return pb.PrefillReply(request_id=request.request_id, cycle=0, emitted=done.emitted,
@@ -53,7 +55,8 @@ class VerifierServicer(rpc.VerifierServicer):
             try:
                 block = validate.draft_block(msg.draft, self.service.engine.model.config.vocab_size)
                 dtype = codec.wire_dtype(msg.feature_dtype)
-                done = await self.service.verify(msg.request_id, msg.cycle, block, codec.plain_run_from_pb(msg))
+                done = await self.service.verify(VerifyCall(msg.request_id, msg.cycle, block, msg.traceparent,
+                                                            codec.plain_run_from_pb(msg)))
             except Exception as error:
                 return None, error
             out = done.output

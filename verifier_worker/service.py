@@ -19,15 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.calls import PrefillCall, VerifyCall
 from services.errors import InvalidRequestError, StaleCycleError, TierUnavailableError
 from services.lease import Lease
 from services.tier_loop import TierLoop
 from services.types import (
-    DraftBlock,
     OutcomeKind,
-    PlainRun,
     Prefilled,
-    SamplingParams,
     StepOutput,
     TokenLogprobs,
     Verified,
@@ -61,17 +59,17 @@ class VerifierService(TierLoop):
         self._sessions: dict[str, _VerifySession] = {}
 
     # ---- session calls ------------------------------------------------------------------------
-    async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      resume_ids: list[int] | None = None, share_prefix_of: str = "", plain: PlainRun | None = None
-                      ) -> Prefilled:
-        """`plain`: the request is plain for its whole life; decode before the router asks, as it says."""
+    async def prefill(self, call: PrefillCall) -> Prefilled:
+        """`call.plain`: the request is plain for its whole life; decode before the router asks, as it says."""
+        request_id, prompt_ids, params, plain = call.request_id, call.prompt_ids, call.params, call.plain
+        resume_ids = call.resume_ids
         self._check_open()
         if plain is not None:
             check_plain_run(plain)
         async with self._turn():
             if request_id in self._sessions:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            self.engine.add_request(request_id, prompt_ids, params, resume_ids or (), share_prefix_of)
+            self.engine.add_request(request_id, prompt_ids, params, resume_ids, call.share_prefix_of)
             session = self._sessions[request_id] = _VerifySession()
             if plain is not None:
                 session.plain = PlainRunState(plain, params)
@@ -85,15 +83,15 @@ class VerifierService(TierLoop):
         feats = torch.cat(session.features) if session.features else None
         prompt_logprobs, session.prompt_logprobs = session.prompt_logprobs, None
         session.features, session.prefilled = [], True
-        committed = len(prompt_ids) + len(resume_ids or ()) + len(out.emitted)
+        committed = len(prompt_ids) + len(resume_ids) + len(out.emitted)
         rows = committed - 1 - session.feature_start
         return Prefilled(out.emitted, committed, None if feats is None else feats[:rows], out.logprobs,
                          prompt_logprobs, session.feature_start)
 
-    async def verify(self, request_id: str, cycle: int, draft: DraftBlock | None,
-                     plain: PlainRun | None = None) -> Verified:
-        """`plain`: from this call on the request decodes plainly before it is asked (a hand-off: no draft may come
-        again)."""
+    async def verify(self, call: VerifyCall) -> Verified:
+        """`call.plain`: from this call on the request decodes plainly before it is asked (a hand-off: no draft may
+        come again)."""
+        request_id, cycle, draft, plain = call.request_id, call.cycle, call.draft, call.plain
         self._check_open()
         if plain is not None:
             check_plain_run(plain)
@@ -267,12 +265,11 @@ class LocalVerifier:
     def __init__(self, service: VerifierService, profile: VerifierProfile | None = None):
         self.service, self._profile = service, profile or VerifierProfile("local")
 
-    async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of="",
-                      plain=None) -> Prefilled:
-        return await self.service.prefill(request_id, prompt_ids, params, resume_ids, share_prefix_of, plain)
+    async def prefill(self, call: PrefillCall) -> Prefilled:
+        return await self.service.prefill(call)
 
-    async def verify(self, request_id, cycle, draft, traceparent, plain=None) -> Verified:
-        return await self.service.verify(request_id, cycle, draft, plain)
+    async def verify(self, call: VerifyCall) -> Verified:
+        return await self.service.verify(call)
 
     async def release(self, request_id) -> None:
         await self.service.release(request_id)

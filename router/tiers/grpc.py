@@ -20,9 +20,10 @@ from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import channel
 from protos.status import error_from_rpc
+from services.calls import AheadCall, DraftCall, OpenCall, PrefillCall, VerifyCall
 from services.errors import TierUnavailableError
 from services.tls import TlsMaterial
-from services.types import DraftBlock, PlainRun, Prefilled, SamplingParams, Verified, VerifierProfile
+from services.types import DraftBlock, Prefilled, Verified, VerifierProfile
 
 
 class _StreamPool:
@@ -109,23 +110,16 @@ class GrpcVerifier:
         self.stub = rpc.VerifierStub(self.channel)
         self._streams = _StreamPool(address, self.stub.Verify, timeout_s)
 
-    async def prefill(self, request_id, prompt_ids, params: SamplingParams, resume_ids, traceparent,
-                      share_prefix_of: str = "", plain: PlainRun | None = None) -> Prefilled:
-        msg = pb.PrefillRequest(request_id=request_id, prompt_ids=prompt_ids, params=codec.params_to_pb(params),
-                                resume_ids=resume_ids, feature_dtype=self.feature_dtype, traceparent=traceparent,
-                                share_prefix_of=share_prefix_of,
-                                **codec.plain_run_to_pb(plain))
+    async def prefill(self, call: PrefillCall) -> Prefilled:
+        msg = codec.prefill_call_to_pb(call, self.feature_dtype)
         reply = await _unary(self.address, self.stub.Prefill, msg, self.timeout_s)
         return Prefilled(list(reply.emitted), reply.committed, codec.tensor_from_pb(reply.features),
                          codec.logprobs_from_pb(reply.logprobs, reply.HasField("logprobs")),
                          codec.logprobs_from_pb(reply.prompt_logprobs, reply.HasField("prompt_logprobs")),
                          reply.feature_start)
 
-    async def verify(self, request_id, cycle, draft: DraftBlock | None, traceparent, plain=None) -> Verified:
-        msg = pb.VerifyRequest(request_id=request_id, cycle=cycle, draft=codec.block_to_pb(draft),
-                               feature_dtype=self.feature_dtype, traceparent=traceparent,
-                               **codec.plain_run_to_pb(plain))
-        reply = await self._streams.exchange(request_id, msg)
+    async def verify(self, call: VerifyCall) -> Verified:
+        reply = await self._streams.exchange(call.request_id, codec.verify_call_to_pb(call, self.feature_dtype))
         return Verified(codec.outcome_from_pb(reply), reply.committed)
 
     def forget(self, request_id) -> None:
@@ -156,21 +150,16 @@ class GrpcDrafter:
         self.stub = rpc.DrafterStub(self.channel)
         self._streams = _StreamPool(address, self.stub.Draft, timeout_s)
 
-    async def open(self, request_id, context_ids, features, params, cycle, method, traceparent) -> None:
-        self._streams.drop(request_id)  # a reopened context starts a fresh stream
-        msg = pb.OpenRequest(request_id=request_id, context_ids=context_ids, features=codec.tensor_to_pb(features),
-                             params=codec.params_to_pb(params), cycle=cycle, method=method, traceparent=traceparent)
-        await _unary(self.address, self.stub.Open, msg, self.timeout_s)
+    async def open(self, call: OpenCall) -> None:
+        self._streams.drop(call.request_id)  # a reopened context starts a fresh stream
+        await _unary(self.address, self.stub.Open, codec.open_call_to_pb(call), self.timeout_s)
 
-    async def draft(self, request_id, cycle, new_ids, feature_start, features, gamma, traceparent) -> DraftBlock:
-        msg = pb.DraftRequest(request_id=request_id, cycle=cycle, new_ids=new_ids, feature_start=feature_start,
-                              features=codec.tensor_to_pb(features), gamma=gamma, traceparent=traceparent)
-        reply = await self._streams.exchange(request_id, msg)
+    async def draft(self, call: DraftCall) -> DraftBlock:
+        reply = await self._streams.exchange(call.request_id, codec.draft_call_to_pb(call))
         return codec.block_from_pb(reply.block)
 
-    async def ahead(self, request_id, cycle, verify_len, accept=None) -> None:
-        await self._streams.send(request_id, pb.DraftRequest(request_id=request_id, cycle=cycle, gamma=verify_len,
-                                                             ahead=True, accept=accept or []))
+    async def ahead(self, call: AheadCall) -> None:
+        await self._streams.send(call.request_id, codec.ahead_call_to_pb(call))
 
     def forget(self, request_id) -> None:
         """Cancel the request's stream without waiting on this replica (it is presumed lost)."""

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from router.metrics import RouterMetrics
 from router.tiers.replicas import Member, ReplicaSet
+from services.calls import AheadCall, DraftCall, OpenCall, PrefillCall, VerifyCall
 from services.errors import StaleCycleError, TierUnavailableError
-from services.types import Prefilled, Verified, VerifierProfile
+from services.types import DraftBlock, Prefilled, Verified, VerifierProfile
 
 log = logging.getLogger(__name__)
 _LOST = (TierUnavailableError, StaleCycleError)
@@ -61,26 +63,24 @@ class _Pooled:
 
 
 class PooledVerifier(_Pooled):
-    async def prefill(self, request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of="",
-                      plain=None) -> Prefilled:
-        """`share_prefix_of`: placed beside that request (a sibling sample), so its cached prompt can be copied."""
-        rid, client = self.replicas.place(request_id, near=share_prefix_of)
+    async def prefill(self, call: PrefillCall) -> Prefilled:
+        """Placed beside `call.share_prefix_of` (a sibling sample), so its cached prompt can be copied."""
+        rid, client = self.replicas.place(call.request_id, near=call.share_prefix_of)
         try:
-            if share_prefix_of and self.replicas.placed(share_prefix_of) != (rid, client):
-                share_prefix_of = ""  # the sibling is elsewhere (or gone): a plain prefill
-            return await client.prefill(request_id, prompt_ids, params, resume_ids, traceparent, share_prefix_of,
-                                        plain)
+            if call.share_prefix_of and self.replicas.placed(call.share_prefix_of) != (rid, client):
+                call = dataclasses.replace(call, share_prefix_of="")  # the sibling is elsewhere (or gone)
+            return await client.prefill(call)
         except TierUnavailableError as error:
             self._lost(rid, client, error)
             raise
 
-    async def verify(self, request_id, cycle, draft, traceparent, plain=None) -> Verified:
-        placed = self.replicas.placed(request_id)
+    async def verify(self, call: VerifyCall) -> Verified:
+        placed = self.replicas.placed(call.request_id)
         if placed is None:
-            raise TierUnavailableError(f"request {request_id}: its verifier replica left the pool")
+            raise TierUnavailableError(f"request {call.request_id}: its verifier replica left the pool")
         rid, client = placed
         try:
-            return await client.verify(request_id, cycle, draft, traceparent, plain)
+            return await client.verify(call)
         except _LOST as error:
             if isinstance(error, TierUnavailableError):
                 self._lost(rid, client, error)
@@ -101,34 +101,34 @@ class PooledVerifier(_Pooled):
 
 
 class PooledDrafter(_Pooled):
-    async def open(self, request_id, context_ids, features, params, cycle, method, traceparent) -> None:
-        old = self.replicas.placed(request_id)
+    async def open(self, call: OpenCall) -> None:
+        old = self.replicas.placed(call.request_id)
         if old is not None:  # reopening: the old context may still exist there
-            self.replicas.unplace(request_id)
+            self.replicas.unplace(call.request_id)
             with contextlib.suppress(Exception):
-                await old[1].release(request_id)
-        rid, client = self.replicas.place(request_id)
+                await old[1].release(call.request_id)
+        rid, client = self.replicas.place(call.request_id)
         try:
-            await client.open(request_id, context_ids, features, params, cycle, method, traceparent)
+            await client.open(call)
         except TierUnavailableError as error:
             self._lost(rid, client, error)
             raise
 
-    async def draft(self, request_id, cycle, new_ids, feature_start, features, gamma, traceparent):
-        placed = self.replicas.placed(request_id)
+    async def draft(self, call: DraftCall) -> DraftBlock:
+        placed = self.replicas.placed(call.request_id)
         if placed is None:
-            raise TierUnavailableError(f"request {request_id}: its drafter replica left the pool")
+            raise TierUnavailableError(f"request {call.request_id}: its drafter replica left the pool")
         rid, client = placed
         try:
-            return await client.draft(request_id, cycle, new_ids, feature_start, features, gamma, traceparent)
+            return await client.draft(call)
         except TierUnavailableError as error:
             self._lost(rid, client, error)
             raise
 
-    async def ahead(self, request_id, cycle, verify_len, accept=None) -> None:
-        placed = self.replicas.placed(request_id)
+    async def ahead(self, call: AheadCall) -> None:
+        placed = self.replicas.placed(call.request_id)
         if placed is not None:  # else the next draft request finds the replica gone
-            await placed[1].ahead(request_id, cycle, verify_len, accept)
+            await placed[1].ahead(call)
 
 
 
