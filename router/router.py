@@ -27,7 +27,7 @@ from router.scheduling.policy import Policy, max_verify_len
 from router.session import Chunk, RouterRequest, Session, Speculation, resolve
 from router.text_stream import TextStream
 from router.tiers.protocol import DrafterTier, VerifierTier
-from services.calls import DraftCall, OpenCall, PrefillCall, VerifyCall
+from services.calls import PrefillCall, VerifyCall
 from services.errors import CapacityError, InvalidRequestError, StaleCycleError, TierUnavailableError
 from services.tokenizer import TextTokenizer
 from services.tracing import current_traceparent
@@ -182,7 +182,7 @@ class Router:
             decision = None
             if block:
                 block, decision = self._schedule(s, block, bound)
-            ahead = ahead_notice(self.drafter, s, block, decision) if s.drafter_ok else None
+            ahead = ahead_notice(self.drafter, s, block, decision) if s.link.ok else None
             with self.tracer.start_as_current_span("verify") as vspan:
                 sent = time.perf_counter()
                 done = await self._verify(s, block, self._handoff(s, block))
@@ -190,9 +190,9 @@ class Router:
                 vspan.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted})
             if ahead is not None:
                 await ahead
-            if s.ahead_sent and block is not None:  # this cycle's draft request followed an ahead notice
+            if s.link.ahead_sent and block is not None:  # this cycle's draft request followed an ahead notice
                 self.metrics.ahead(block.ahead, out.num_accepted, block.fanout)
-            s.ahead_sent = ahead is not None
+            s.link.ahead_sent = ahead is not None
             verified_at = time.perf_counter()
             if not s.handed_off:  # a plain run's reply: several steps, none a plan's cycle, features no drafter needs
                 self.planner.observe(CycleRecord(s.request.request_id, s.spec.policy, s.spec.method,
@@ -237,13 +237,9 @@ class Router:
 
     # ---- drafter ------------------------------------------------------------------------------
     async def _open_drafter(self, s: Session) -> None:
-        feats = torch.cat(s.features) if s.features else None
-        s.new_ids, s.new_features = [], []
         try:
-            # The context includes this cycle's anchor, so the next draft (this cycle) must be newer.
-            await self.drafter.open(OpenCall(s.request.request_id, s.committed, feats, s.params, max(0, s.cycle - 1),
-                                             s.spec.method, current_traceparent()))
-            s.drafter_ok = True
+            await self.drafter.open(s.open_call(current_traceparent()))
+            s.link.opened()
         except Exception as error:
             self._detach(s, error)
 
@@ -255,29 +251,25 @@ class Router:
             self.metrics.drafts_skipped.labels(self.model).inc()
             self.metrics.scheduler_cycles.labels(self.model, self.planner.source(s.request.request_id)).inc()
             return None  # the delta keeps growing; the next draft carries it
-        if not s.drafter_ok:  # opened at the first draft (dspark may never need one), reopened after a loss
-            if s.detached_at is not None and s.cycle - s.detached_at < s.reattach_wait:
+        if not s.link.ok:  # opened at the first draft (dspark may never need one), reopened after a loss
+            if s.link.backing_off(s.cycle):
                 return None
             await self._open_drafter(s)
-            if not s.drafter_ok:
+            if not s.link.ok:
                 return None
-        new_ids, start, feats = s.take_delta()
         with self.tracer.start_as_current_span("draft", attributes={"dspark.gamma": s.spec.gamma}) as span:
             try:
-                block = await self.drafter.draft(DraftCall(s.request.request_id, s.cycle, new_ids, start, feats,
-                                                           s.spec.gamma, current_traceparent()))
+                block = await self.drafter.draft(s.draft_call(current_traceparent()))
             except Exception as error:
                 self._detach(s, error)
                 return None
             span.set_attributes({"dspark.drafted": len(block), "dspark.ahead": block.ahead})
-            s.reattach_wait = 0
+            s.link.drafted()
             return block
 
     def _detach(self, s: Session, error: Exception) -> None:
         log.warning("request %s: drafter lost (%s); decoding without it", s.request.request_id, error)
-        s.drafter_ok, s.detached_at = False, s.cycle
-        # Reopen at once (on another replica of a pool), then back off while every attempt fails.
-        s.reattach_wait = min(2 * s.reattach_wait or 1, self.config.reattach_every)
+        s.link.lost(s.cycle, self.config.reattach_every)  # reopened at once (elsewhere in a pool), then backing off
         self.metrics.drafter_detached.labels(self.model).inc()
 
     # ---- verifier -----------------------------------------------------------------------------

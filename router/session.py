@@ -12,6 +12,7 @@ import torch
 from router.scheduling.policy import Policy
 from router.text_stream import TextStream
 from services.batching import ema
+from services.calls import DraftCall, OpenCall
 from services.errors import InvalidRequestError
 from services.types import FinishReason, SamplingParams, TokenLogprobs
 
@@ -74,6 +75,32 @@ class Chunk:
 
 
 @dataclass(slots=True)
+class DrafterLink:
+    """A request's link to its drafter: whether its context is open there, and after a loss when to reopen it
+    (at once, then backing off 1, 2, 4, … cycles while reopening fails, up to a bound)."""
+
+    ok: bool = False
+    detached_at: int | None = None  # cycle at which the drafter was lost
+    reattach_wait: int = 0  # cycles to wait after a loss before reopening
+    ahead_sent: bool = False  # the last cycle's block went with an ahead notice to the drafter
+
+    def opened(self) -> None:
+        self.ok = True
+
+    def lost(self, cycle: int, max_wait: int) -> None:
+        self.ok, self.detached_at = False, cycle
+        self.reattach_wait = min(2 * self.reattach_wait or 1, max_wait)
+
+    def drafted(self) -> None:
+        """A block came back: a later loss reopens at once again."""
+        self.reattach_wait = 0
+
+    def backing_off(self, cycle: int) -> bool:
+        """Lost, and too soon to reopen at `cycle`."""
+        return not self.ok and self.detached_at is not None and cycle - self.detached_at < self.reattach_wait
+
+
+@dataclass(slots=True)
 class Session:
     request: RouterRequest
     spec: Speculation
@@ -83,10 +110,7 @@ class Session:
     output: list[int] = field(default_factory=list)
     vcycle: int = 0  # cycles applied by the current verifier (restarts at 0 after a re-prefill)
     cycle: int = 0  # cycles of this request (drafter messages carry it)
-    drafter_ok: bool = False
-    detached_at: int | None = None  # cycle at which the drafter was lost
-    reattach_wait: int = 0  # cycles to wait after a loss before reopening (doubles while reopening fails)
-    ahead_sent: bool = False  # the last cycle's block went with an ahead notice to the drafter
+    link: DrafterLink = field(default_factory=DrafterLink)
     skipped_draft: bool = False  # this cycle's plan said drafting does not pay (policy dspark)
     handed_off: bool = False  # decoded by a plain run on the verifier from now on (RouterConfig.plain_handoff)
     # Delta for the drafter since its last message: tokens and features of newly committed positions.
@@ -120,11 +144,21 @@ class Session:
         if self.spec.method != "none":
             self.features.append(feats)
 
-    def take_delta(self) -> tuple[list[int], int, torch.Tensor | None]:
-        feats = torch.cat(self.new_features) if self.new_features else None
-        delta = (self.new_ids, self.feature_start, feats)
+    def open_call(self, traceparent: str) -> OpenCall:
+        """(Re)open the drafter's context at the committed tokens; the delta starts anew after them. The context
+        includes this cycle's anchor, so the next draft call (this cycle's) is newer than the cycle it names."""
+        feats = torch.cat(self.features) if self.features else None
         self.new_ids, self.new_features = [], []
-        return delta
+        return OpenCall(self.request.request_id, self.committed, feats, self.params, max(0, self.cycle - 1),
+                        self.spec.method, traceparent)
+
+    def draft_call(self, traceparent: str) -> DraftCall:
+        """This cycle's draft call, carrying the delta since the last one (which it empties)."""
+        feats = torch.cat(self.new_features) if self.new_features else None
+        call = DraftCall(self.request.request_id, self.cycle, self.new_ids, self.feature_start, feats,
+                         self.spec.gamma, traceparent)
+        self.new_ids, self.new_features = [], []
+        return call
 
     def commit(self, emitted: list[int], logprobs: TokenLogprobs | None = None
                ) -> tuple[list[int], str, TokenLogprobs | None]:
