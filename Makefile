@@ -144,7 +144,7 @@ drafters-gemma-rollouts: data-deps $(BIN)/dspark
 # 262,144-row head would be 60 % of the cost) and over all 262,144 for the held-out one (exact acceptance for early
 # stopping); in shards of 1,000 sequences, built by two one-thread processes, so a cut build resumes at its first
 # missing one. About 70 min on the 2 vCPU EPYC (avx512_bf16, no AMX).
-GEMMA_CACHE := --feature-dtype auto --lse-vocab $(GEMMA_RUN)/d2t.safetensors
+GEMMA_CACHE := --feature-dtype auto --lse-vocab $(GEMMA_RUN)/d2t.safetensors --cache-per-domain 2000
 drafters-gemma-cache: drafters-gemma-rollouts
 	test -f $(GEMMA_RUN)/d2t.safetensors || $(BIN)/dspark data draft-vocab --rollouts $(GEMMA_RUN)/rollouts.train.jsonl \
 		--held-out $(GEMMA_RUN)/rollouts.val.jsonl --size 32768 16384 --vocab-size 262144 --out $(GEMMA_RUN)/d2t.safetensors

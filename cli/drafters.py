@@ -36,6 +36,8 @@ def add_cache_parser(data_sub) -> None:
     p.add_argument("--rollouts-only", action="store_true", help="stop after the rollouts (no feature cache)")
     p.add_argument("--lse-vocab", type=Path, metavar="D2T", help="a draft vocabulary (`dspark data draft-vocab "
                    "--out`): the train split's log-sum-exp over its ids only, an eighth of Gemma's head")
+    p.add_argument("--cache-per-domain", type=int, metavar="N", help="features of the first N train rollouts of "
+                   "each domain only (default: all): the cache of a shorter training run, domains balanced")
     p.add_argument("--shard-worker", type=_shard_worker, metavar="K/N",
                    help="build only the cache shards numbered K mod N (N processes share one build)")
 
@@ -140,6 +142,7 @@ def run_target_cache(args: argparse.Namespace) -> int:
     caches = prepare(args.target, _cache_dir(args), args.data_dir, cfg, val_per_domain=args.val_per_domain,
                      mirror_dir=args.mirror_dir, rollout_dtype=args.rollout_dtype, rollouts_only=args.rollouts_only,
                      feature_dtype=args.feature_dtype, shard_worker=args.shard_worker,
+                     cache_per_domain=args.cache_per_domain,
                      lse_ids=lse_ids)
     _log()(f"target {'rollouts' if args.rollouts_only else 'caches'}: {', '.join(str(c) for c in caches.values())}")
     return 0

@@ -16,7 +16,8 @@ from training import rollouts, target_cache
 def prepare(target: str, run_dir: Path, data_dir: Path, cfg: rollouts.RolloutConfig, val_per_domain: int = 64,
             tap_layers: tuple[int, ...] | None = None, mirror_dir: Path | None = None,
             rollout_dtype: str = "float32", rollouts_only: bool = False, feature_dtype: str = "float32",
-            shard_worker: tuple[int, int] | None = None, lse_ids: torch.Tensor | None = None) -> dict[str, Path]:
+            shard_worker: tuple[int, int] | None = None, lse_ids: torch.Tensor | None = None,
+            cache_per_domain: int | None = None) -> dict[str, Path]:
     """Build (or resume) `run_dir/{train,val}` caches; returns their directories. `mirror_dir` keeps gzip copies
     of the rollouts (commit them: a fresh machine resumes the rollouts from them); `rollout_dtype` is the
     dtype the target generates in (the one it is served in); `feature_dtype` the one features are taken in (fp32
@@ -26,7 +27,9 @@ def prepare(target: str, run_dir: Path, data_dir: Path, cfg: rollouts.RolloutCon
     thread each goes further on a small CPU than one process of n threads); the last to finish writes the
     manifest, and a run without it afterwards completes whatever is missing. `lse_ids`: the train split's
     log-sum-exp over those target ids only (training/target_cache.py); the held-out split's stays over the whole
-    vocabulary, so the acceptance early stopping reads is the exact one."""
+    vocabulary, so the acceptance early stopping reads is the exact one. `cache_per_domain`: the train cache holds
+    the first N rollouts of each domain only (all are kept as rollouts): on a small CPU the cache and the training
+    share one session, and code's long sequences would take most of the cache's time."""
     caches = {split: run_dir / "cache" / split for split in ("val", "train")}
     missing = [split for split, d in caches.items() if not (d / "manifest.json").exists()]
     if not missing:
@@ -49,6 +52,20 @@ def prepare(target: str, run_dir: Path, data_dir: Path, cfg: rollouts.RolloutCon
             caches[split] = out
             continue
         only = None if shard_worker is None else {n for n in range(1000) if n % shard_worker[1] == shard_worker[0]}
-        target_cache.build(model, rollouts.read(out), cache_dir, target=model_name(target), only=only,
+        records = rollouts.read(out)
+        if split == "train" and cache_per_domain is not None:
+            records = first_per_domain(records, cache_per_domain)
+        target_cache.build(model, records, cache_dir, target=model_name(target), only=only,
                            lse_ids=lse_ids if split == "train" else None)
     return caches
+
+
+def first_per_domain(records: list[dict], n: int) -> list[dict]:
+    """The first `n` records of each domain, in the rollouts' order."""
+    seen: dict[str, int] = {}
+    kept = []
+    for r in records:
+        if seen.get(r["domain"], 0) < n:
+            kept.append(r)
+            seen[r["domain"]] = seen.get(r["domain"], 0) + 1
+    return kept
