@@ -39,6 +39,11 @@ class RunAhead:
     def commit(self, request_id: str, feature_start: int, features: torch.Tensor | None) -> None:
         self.drafter.commit(request_id, feature_start, features)
 
+    def constrain(self, request_id: str, grammar, output_start: int) -> None:
+        """A request with a grammar drafts under it (`Drafter.constrain`) and never ahead: a block drafted ahead
+        would not be."""
+        self.drafter.constrain(request_id, grammar, output_start)
+
     def release(self, request_id: str) -> None:
         self.drafter.release(request_id)
         self.drafter.steered.discard(request_id)
@@ -86,6 +91,8 @@ class RunAhead:
         params = params or {}
         work = {}
         for rid, (tokens, block) in sent.items():
+            if rid in self.drafter.constrained:
+                continue
             survival = block.confidences if block.confidences is not None else block.peaks
             if survival is not None:  # else nothing to estimate the outcome from
                 work[rid] = (tokens, list(block.tokens), survival, params.get(rid, SamplingParams()))

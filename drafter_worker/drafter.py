@@ -9,7 +9,8 @@ model's backbone runs on the serving kernel (`fused_block.py`), else on its modu
 Draft tokens are sampled at each request's own temperature / top-k / top-p from the truncated
 distribution q'_k (top `max_q` ids, renormalised), which is sent with the block: the verifier's
 rejection rule is exact for any q. Greedy requests draft the argmax and send no q. Requests in `steered` (they
-draft ahead, `ahead.py`) draw from q' steered by `steering` (Saguaro sampling, `speculation.Steering`).
+draft ahead, `ahead.py`) draw from q' steered by `steering` (Saguaro sampling, `speculation.Steering`). Requests
+with a grammar (`constrain`) draft only what it allows (`constrained.py`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from drafter_worker import fused_block, fused_chain
 from drafter_worker.block_model import BlockDraftModel
 from drafter_worker.calibration import Calibration
 from drafter_worker.chain_model import ChainDraftModel
+from drafter_worker.constrained import Constraint, GrammarWalk, cut
 from drafter_worker.context_cache import ContextCache
 from drafter_worker.proposer import StatelessProposer
 from drafter_worker.speculation import Steering
+from services.grammar import RequestGrammar
 from services.packed_linear import pack_linears
 from services.sampling import logits_to_probs, truncate_to_sparse
 from services.types import DraftBlock, SamplingParams
@@ -68,6 +71,7 @@ class Drafter(StatelessProposer):
         self._contexts: dict[str, _Context] = {}
         self.steering: Steering | None = None
         self.steered: set[str] = set()  # requests whose sampled drafts are steered
+        self._constraints: dict[str, Constraint] = {}  # requests drafting under their grammar
 
     @property
     def device(self) -> torch.device:
@@ -86,7 +90,31 @@ class Drafter(StatelessProposer):
 
     def release(self, request_id: str) -> None:
         self._contexts.pop(request_id, None)
+        self._constraints.pop(request_id, None)
         self.cache.release(request_id)
+
+    def constrain(self, request_id: str, grammar: RequestGrammar, output_start: int) -> None:
+        """Draft this request under `grammar`, whose state is at the start of the output: committed tokens from
+        `output_start` on are its output (the ones before, its prompt)."""
+        self._constraints[request_id] = Constraint(grammar, output_start)
+
+    @property
+    def constrained(self) -> set[str]:
+        return set(self._constraints)
+
+    def _walk(self, ready: list[str], contexts: dict[str, list[int]]) -> GrammarWalk | None:
+        """The block's grammar walk when a ready request is constrained (its grammar caught up with its committed
+        tokens first), else None."""
+        grammars = []
+        for rid in ready:
+            c = self._constraints.get(rid)
+            if c is not None and not c.catch_up(contexts[rid]):
+                del self._constraints[rid]
+                c = None
+            grammars.append(None if c is None else c.grammar)
+        if not any(g is not None for g in grammars):
+            return None
+        return GrammarWalk(grammars, self.model.to_target(torch.arange(self.model.draft_vocab, device=self.device)))
 
     def last_out(self, request_id: str) -> torch.Tensor:
         """Chain models: the output [d] of the request's last context row (it predicts the first draft)."""
@@ -113,18 +141,21 @@ class Drafter(StatelessProposer):
             self.fold(rid, contexts[rid])
         steer = [rid in self.steered for rid in ready]
         slots = torch.tensor([self.cache.slot(rid) for rid in ready])
+        walk = self._walk(ready, contexts)
         if self.fused and self.block:
             h = fused_block.backbone(self.model, self.cache, anchors, anchor_pos, slots, gamma)  # [R, γ, d]
-            tokens, q, conf, peaks = self.block_heads(h, anchors, sampling, steer)
+            tokens, q, conf, peaks = self.block_heads(h, anchors, sampling, steer, walk)
         elif self.fused:
             hidden = torch.stack([self.last_out(rid) for rid in ready])  # [R, d]
-            tokens, q, conf, peaks = self.chain_rows(hidden, anchor_pos, slots, sampling, gamma, steer)
+            tokens, q, conf, peaks = self.chain_rows(hidden, anchor_pos, slots, sampling, gamma, steer, walk)
         elif self.block:
             tokens, q, conf, peaks = self.draft_block(anchors, anchor_pos, *self.padded_context(ready), sampling, gamma,
-                                                      steer)
+                                                      steer, walk)
         else:
             tokens, q, conf, peaks = self.draft_chain(torch.stack([self.last_out(rid) for rid in ready]), anchor_pos,
-                                                      *self.padded_context(ready), sampling, gamma, steer)
+                                                      *self.padded_context(ready), sampling, gamma, steer, walk)
+        if walk is not None:
+            tokens, q, conf, peaks = cut(tokens, q, conf, peaks, walk.finish())
         for i, rid in enumerate(ready):
             q_ids, q_probs = (None, None) if q[i] is None else q[i]
             out[rid] = DraftBlock(tokens=tokens[i], q_ids=q_ids, q_probs=q_probs,
@@ -171,23 +202,26 @@ class Drafter(StatelessProposer):
         (Package-internal, as `draft_block` and `draft_chain`: `predraft.py` drafts with them.)"""
         return self.cache.padded(rids, [self._contexts[rid].positions for rid in rids])
 
-    def draft_block(self, anchors, anchor_pos, kv, mask, sampling, gamma, steer=None):
+    def draft_block(self, anchors, anchor_pos, kv, mask, sampling, gamma, steer=None, walk=None):
         """A block model's blocks on its modules, over contexts kv, mask (`padded_context`, or predraft's)."""
-        if all(p.greedy for p in sampling):
+        if all(p.greedy for p in sampling) and walk is None:
             return self._greedy(self._greedy_block(anchors, anchor_pos, kv, mask, gamma))
-        return self.block_heads(self.model.backbone(anchors, anchor_pos, kv, mask, gamma), anchors, sampling, steer)
+        return self.block_heads(self.model.backbone(anchors, anchor_pos, kv, mask, gamma), anchors, sampling, steer,
+                                walk)
 
-    def block_heads(self, h, anchors, sampling, steer=None):
-        """A block model's drafts from its backbone states h [R, γ, d]: the head's γ sequential steps."""
+    def block_heads(self, h, anchors, sampling, steer=None, walk=None):
+        """A block model's drafts from its backbone states h [R, γ, d]: the head's γ sequential steps (under a
+        grammar `walk`, every step on the modules, each masked)."""
         model = self.model
-        if all(p.greedy for p in sampling):
+        if all(p.greedy for p in sampling) and walk is None:
             return self._greedy(fused_block.greedy_heads(model, h, anchors) if self.fused else
                                 model.greedy_heads(h, anchors))
         knobs = _knobs(sampling, anchors.device)
-        if self.fused and fused_block.markov(model) and not any(steer or []) and all(not p.greedy for p in sampling):
+        if (self.fused and fused_block.markov(model) and not any(steer or []) and all(not p.greedy for p in sampling)
+                and walk is None):
             return self._sampled_block(h, anchors, knobs)
         h, base, state = model.heads_start(h)
-        if model.seq_head is None:  # DFlash: no step depends on another, so all γ are drawn in one call
+        if model.seq_head is None and walk is None:  # DFlash: no step depends on another: all γ drawn in one call
             rows, gamma = base.shape[:2]
             _, drafts = self._sample(base.flatten(0, 1), [p for p in sampling for _ in range(gamma)],
                                      None if steer is None else [s for s in steer for _ in range(gamma)],
@@ -198,7 +232,8 @@ class Drafter(StatelessProposer):
             logits, z, state = model.head_step(base[:, k], h[:, k], prev, state)
             if z is not None:
                 conf_logits.append(z)  # [R]
-            prev, draft = self._sample(logits, sampling, steer, knobs)
+            prev, draft = self._sample(_masked(walk, logits, k), sampling, steer, knobs)
+            _advance(walk, prev, k)
             steps.append(draft)
         return self._collect(steps, conf_logits)
 
@@ -215,11 +250,12 @@ class Drafter(StatelessProposer):
         conf = None if z is None else self._confidences(z, [True] * len(tokens))
         return tokens.tolist(), [None] * len(tokens), conf, peaks
 
-    def draft_chain(self, hidden, anchor_pos, kv, mask, sampling, gamma, steer=None):
+    def draft_chain(self, hidden, anchor_pos, kv, mask, sampling, gamma, steer=None, walk=None):
         """Chain models: hidden [R, d] the output of each context's last row (it predicts x_1)."""
         model = self.model
         knobs = _knobs(sampling, hidden.device)
-        prev, draft = self._sample(model.logits(hidden).float(), sampling, steer, knobs)
+        prev, draft = self._sample(_masked(walk, model.logits(hidden).float(), 0), sampling, steer, knobs)
+        _advance(walk, prev, 0)
         steps = [draft]
         (ctx_k, ctx_v), = kv
         keys, values = ctx_k, ctx_v  # grow by one draft row per step
@@ -229,19 +265,23 @@ class Drafter(StatelessProposer):
             keys, values = torch.cat([keys, kk], 2), torch.cat([values, vv], 2)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)  # [R, S + k]
             hidden = model.finish(residual, q, keys, values, mask[:, None, None])[:, 0]  # [R, d]
-            prev, draft = self._sample(model.logits(hidden).float(), sampling, steer, knobs)
+            prev, draft = self._sample(_masked(walk, model.logits(hidden).float(), k), sampling, steer, knobs)
+            _advance(walk, prev, k)
             steps.append(draft)
         return self._collect(steps, [])
 
-    def chain_rows(self, hidden, anchor_pos, slots, sampling, gamma, steer=None):
+    def chain_rows(self, hidden, anchor_pos, slots, sampling, gamma, steer=None, walk=None):
         """`draft_chain` on the kernel: step k is one row per request at anchor + k − 1 in its cache slot."""
         model = self.model
         knobs = _knobs(sampling, hidden.device)
-        prev, draft = self._sample(fused_chain.logits(model, hidden).float(), sampling, steer, knobs)
+        prev, draft = self._sample(_masked(walk, fused_chain.logits(model, hidden).float(), 0), sampling, steer, knobs)
+        _advance(walk, prev, 0)
         steps = [draft]
         for k in range(1, gamma):
             hidden = fused_chain.rows(model, self.cache, hidden, prev, anchor_pos + k - 1, slots)  # [R, d]
-            prev, draft = self._sample(fused_chain.logits(model, hidden).float(), sampling, steer, knobs)
+            prev, draft = self._sample(_masked(walk, fused_chain.logits(model, hidden).float(), k), sampling, steer,
+                                       knobs)
+            _advance(walk, prev, k)
             steps.append(draft)
         return self._collect(steps, [])
 
@@ -311,3 +351,12 @@ def _knobs(sampling: list[SamplingParams], device: torch.device) -> tuple[torch.
     return (torch.tensor([p.temperature for p in sampling], device=device),
             torch.tensor([p.top_k for p in sampling], device=device),
             torch.tensor([p.top_p for p in sampling], device=device))
+
+
+def _masked(walk: GrammarWalk | None, logits: torch.Tensor, k: int) -> torch.Tensor:
+    return logits if walk is None else walk.mask(logits, k)
+
+
+def _advance(walk: GrammarWalk | None, tokens: torch.Tensor, k: int) -> None:
+    if walk is not None:
+        walk.advance(tokens, k)

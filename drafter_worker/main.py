@@ -50,7 +50,7 @@ def drafter_service(s: DrafterSettings) -> DrafterService:
         block_sizes[method] = cfg.block_size
     order = sorted(proposers, key=lambda m: m != "dspark")  # dspark first: the default method
     return DrafterService({m: proposers[m] for m in order}, block_sizes, s.batch_window_ms / 1000, lease_s=s.lease_s,
-                          fallback_queue=s.ahead_fallback_queue)
+                          fallback_queue=s.ahead_fallback_queue, grammar_dir=resolve_model(s.model))
 
 
 async def start_drafter(s: DrafterSettings) -> RunningTier:

@@ -34,9 +34,12 @@ class DrafterServicer(rpc.DrafterServicer):
                 limits = self.service.limits
                 context_ids = validate.token_ids(request.context_ids, limits.vocab_size, "context")
                 features = validate.features(request.features, limits.feature_width)
+                if request.output_start > len(context_ids):
+                    raise InvalidRequestError(f"output_start {request.output_start} is past the context "
+                                              f"({len(context_ids)} tokens)")
                 n = await self.service.open(OpenCall(validate.request_id(request.request_id), context_ids, features,
                                                      validate.params(request.params), request.cycle, request.method,
-                                                     request.traceparent))
+                                                     request.traceparent, request.output_start))
             except Exception as error:
                 await abort_with(context, error)
             method = request.method or self.service.default_method

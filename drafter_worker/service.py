@@ -12,15 +12,20 @@ without drafting, e.g. while the drafter was unreachable); anything else is stal
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from drafter_worker.ahead_window import AheadWindow
 from services.calls import AheadCall, DraftCall, OpenCall
 from services.errors import InvalidRequestError, StaleCycleError
+from services.grammar import GrammarTokenizer
 from services.lease import Lease
 from services.tier_loop import TierLoop
 from services.types import DraftBlock, DrafterLoad, Proposer, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +69,10 @@ class DrafterService(TierLoop):
     role = "drafter"
 
     def __init__(self, proposers: dict[str, Proposer], block_sizes: dict[str, int], batch_window_s: float = 0.005,
-                 limits: DraftLimits | None = None, lease_s: float = 60.0, fallback_queue: int = 0):
+                 limits: DraftLimits | None = None, lease_s: float = 60.0, fallback_queue: int = 0,
+                 grammar_dir: Path | None = None):
+        """`grammar_dir`: the target's model directory (its tokenizer.json): requests with a grammar draft under
+        it (drafter_worker/constrained.py); None: they draft unconstrained."""
         if not proposers:
             raise ValueError("a drafter replica needs at least one proposer")
         super().__init__(lease_s, batch_window_s)
@@ -77,6 +85,7 @@ class DrafterService(TierLoop):
         self.window = AheadWindow()  # the budget of drafting ahead, sized to the verify window
         self.fallback_queue = fallback_queue  # > 0: a cache miss with this many drafts waiting gets no drafts
         self.fallbacks = 0
+        self.grammar_dir, self._grammar = grammar_dir, None
 
     def _on_stop(self, reason: BaseException) -> None:
         for item in self._queue:
@@ -103,8 +112,22 @@ class DrafterService(TierLoop):
             self._forget(request_id)
             proposer = self.proposers[method]
             proposer.commit(request_id, 0, features)
+            self._constrain(proposer, call)
             self._sessions[request_id] = _DraftSession(method, list(context_ids), params, cycle, rows)
         return rows
+
+    def _constrain(self, proposer: Proposer, call: OpenCall) -> None:
+        """Hand the request's grammar to a proposer that drafts under one, when the call says where the output
+        starts; a grammar it cannot follow leaves the drafts unconstrained (still lossless: the verifier masks)."""
+        constrain = getattr(proposer, "constrain", None)
+        if call.params.grammar is None or constrain is None or self.grammar_dir is None or not call.output_start:
+            return
+        try:
+            if self._grammar is None:
+                self._grammar = GrammarTokenizer(self.grammar_dir, self.limits.vocab_size)
+            constrain(call.request_id, self._grammar.start(call.params.grammar), call.output_start)
+        except InvalidRequestError as error:
+            log.warning("request %s drafts unconstrained: %s", call.request_id, error)
 
     async def draft(self, call: DraftCall) -> DraftBlock:
         request_id, cycle, new_ids, gamma = call.request_id, call.cycle, call.new_ids, call.gamma

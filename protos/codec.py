@@ -207,7 +207,7 @@ def verify_call_to_pb(call: VerifyCall, feature_dtype: int) -> pb.VerifyRequest:
 def open_call_to_pb(call: OpenCall) -> pb.OpenRequest:
     return pb.OpenRequest(request_id=call.request_id, context_ids=call.context_ids,
                           features=tensor_to_pb(call.features), params=params_to_pb(call.params), cycle=call.cycle,
-                          method=call.method, traceparent=call.traceparent)
+                          method=call.method, traceparent=call.traceparent, output_start=call.output_start)
 
 
 def draft_call_to_pb(call: DraftCall) -> pb.DraftRequest:

@@ -30,6 +30,8 @@ class LocalEngine(Protocol):
 
     def release(self, request_id: str) -> None: ...
 
+    def grammar_tokenizer(self): ...  # the target's vocabulary for llguidance (services/grammar.py)
+
 
 @dataclass(slots=True)
 class GenerationRequest:
@@ -104,10 +106,12 @@ CycleObserver = Callable[[str, DraftBlock | None, StepOutput], None]
 
 class LocalRouter:
     def __init__(self, engine: LocalEngine, proposer: Proposer | None = None, policy: Policy = Policy.NONE,
-                 gamma: int = 4, observer: CycleObserver | None = None, sps: list[tuple[int, float]] | None = None):
+                 gamma: int = 4, observer: CycleObserver | None = None, sps: list[tuple[int, float]] | None = None,
+                 constrained_drafting: bool = True):
         """`sps`: the engine's SPS profile, (batch tokens, step ms) points, which policy dspark plans against
         (verifier_worker/profile.py: `profile_sps`); without one it trims at the planner's λ. The load it
-        counts is this router's own requests: in process there is no other."""
+        counts is this router's own requests: in process there is no other. `constrained_drafting`: requests with
+        a grammar draft under it where the proposer can (drafter_worker/constrained.py), as served."""
         if policy is not Policy.NONE and proposer is None:
             raise ValueError(f"policy {policy} needs a drafter")
         if policy not in OFFLINE_POLICIES:
@@ -117,7 +121,7 @@ class LocalRouter:
         if sps:
             self.planner.set_profile("local", sps)
         self.engine, self.proposer, self.policy, self.gamma = engine, proposer, policy, gamma
-        self.observer = observer
+        self.observer, self.constrained_drafting = observer, constrained_drafting
 
     def generate(self, requests: list[GenerationRequest], on_tokens: TokenCallback | None = None
                  ) -> list[GenerationResult]:
@@ -159,6 +163,10 @@ class LocalRouter:
             except CapacityError:
                 return  # retried after running requests finish
             queue.popleft()
+            constrain = getattr(self.proposer, "constrain", None)
+            if req.params.grammar is not None and constrain is not None and self.constrained_drafting:
+                grammar = self.engine.grammar_tokenizer().start(req.params.grammar)
+                constrain(req.request_id, grammar, len(req.prompt_ids))
             sessions[req.request_id] = _LocalSession(req, called)
             self.planner.join(req.request_id)
 

@@ -150,7 +150,7 @@ class Session:
         feats = torch.cat(self.features) if self.features else None
         self.new_ids, self.new_features = [], []
         return OpenCall(self.request.request_id, self.committed, feats, self.params, max(0, self.cycle - 1),
-                        self.spec.method, traceparent)
+                        self.spec.method, traceparent, len(self.request.prompt_ids))
 
     def draft_call(self, traceparent: str) -> DraftCall:
         """This cycle's draft call, carrying the delta since the last one (which it empties)."""

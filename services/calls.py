@@ -50,6 +50,7 @@ class OpenCall:
     cycle: int = 0  # the drafter's last cycle: the next draft call carries a higher one
     method: str = ""  # which hosted drafter ("": the replica's default)
     traceparent: str = ""
+    output_start: int = 0  # context_ids[output_start:] is the output so far: where a grammar starts reading
 
 
 @dataclass(slots=True)

@@ -69,23 +69,25 @@ class GrammarTokenizer:
                                       "verifier was not given")
         self.lltok = _tokenizer(str(path.parent))
         self.vocab_size = vocab_size  # the logits' width; ids past the tokenizer's are never allowed
+        self.eos = frozenset(TextTokenizer.from_dir(path.parent).eos_token_ids)
 
     def start(self, grammar: Grammar) -> RequestGrammar:
         """A request's grammar at the start of its output; a grammar that does not compile → 400 by name."""
         matcher = llguidance.LLMatcher(self.lltok, compile_grammar(grammar))
         if matcher.is_error():
             raise InvalidRequestError(f"{grammar.kind}: {matcher.get_error()}")
-        return RequestGrammar(matcher, self.lltok.vocab_size, self.vocab_size)
+        return RequestGrammar(matcher, self.lltok.vocab_size, self.vocab_size, self.eos)
 
 
 class RequestGrammar:
     """One request's grammar state over its committed output."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, tokenizer_vocab: int, vocab_size: int):
-        self.matcher, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher: llguidance.LLMatcher, tokenizer_vocab: int, vocab_size: int,
+                 eos: frozenset[int] = frozenset()):
+        self.matcher, self.vocab_size, self.eos = matcher, vocab_size, eos
         self._bits = allocate_token_bitmask(1, tokenizer_vocab)  # [1, ⌈V'/32⌉] int32
 
-    def _mask(self) -> torch.Tensor:
+    def allowed(self) -> torch.Tensor:
         """[V] bool: the tokens allowed next in the matcher's current state."""
         fill_next_token_bitmask(self.matcher, self._bits)
         # [⌈V'/32⌉] int32 words, bit j of word w = token 32 w + j: as little-endian bytes, numpy's C unpacking
@@ -98,16 +100,37 @@ class RequestGrammar:
 
     def masks(self, drafts: Sequence[int]) -> torch.Tensor:
         """[ℓ + 1, V] bool: row k allows what the grammar allows after the committed output and drafts[:k]."""
-        rows, consumed = [self._mask()], 0
+        rows, consumed = [self.allowed()], 0
         for token in drafts:
-            if not rows[-1][token] or not self.matcher.consume_token(token):
+            if not rows[-1][token]:
                 break  # forbidden here: its row rejects it, and no later row is read
+            if token in self.eos:  # allowed: the grammar is complete, and after it so is every later row's state
+                rows.append(self._only_eos())  # (not consumed: llguidance's rollback does not undo a stop)
+                break
+            if not self.matcher.consume_token(token):
+                break
             consumed += 1
-            rows.append(self._mask())
+            rows.append(self.allowed())
         rows.extend(rows[-1:] * (len(drafts) + 1 - len(rows)))
         if consumed:
             self.matcher.rollback(consumed)
         return torch.stack(rows)
+
+    def _only_eos(self) -> torch.Tensor:
+        """[V] bool: what a complete grammar allows (the end of sequence only)."""
+        out = torch.zeros(self.vocab_size, dtype=torch.bool)
+        out[[t for t in self.eos if t < self.vocab_size]] = True
+        return out
+
+    def advance(self, token: int) -> bool:
+        """Consume one token tentatively (a draft): False, and nothing consumed, if the grammar forbids it or ends
+        with it (an end of sequence is never consumed tentatively: llguidance's rollback does not undo a stop)."""
+        return token not in self.eos and not self.matcher.is_stopped() and self.matcher.consume_token(token)
+
+    def rollback(self, count: int) -> None:
+        """Undo the last `count` tokens `advance` consumed."""
+        if count:
+            self.matcher.rollback(count)
 
     def commit(self, tokens: Sequence[int]) -> None:
         """The tokens a cycle emitted (each allowed by its masked row; past a complete grammar only EOS is, which

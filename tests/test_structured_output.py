@@ -12,7 +12,7 @@ import pytest
 import torch
 from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
-from drafter_worker.checkpoint import load_drafter
+from drafter_worker.checkpoint import drafter_config, load_drafter
 from drafter_worker.drafter import Drafter
 from router.offline import GenerationRequest, LocalRouter
 from router.scheduling.policy import Policy
@@ -36,7 +36,10 @@ PROMPTS = ["<|user|>\nGive me a JSON object with a name and a count.<|end|>\n<|a
 
 @pytest.fixture(scope="module")
 def target():
-    return load_model(resolve_model("dspark-target-v2"), "float32", "cpu")
+    """Target v2 with the taps its shipped drafters read (without them a drafter has no context and drafts
+    nothing)."""
+    taps = drafter_config(resolve_model("dspark-target-v2-dspark")).tap_layers
+    return load_model(resolve_model("dspark-target-v2"), "float32", "cpu", tap_layers=taps)
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +74,22 @@ def test_row_masks_equal_a_matcher_walked_token_by_token(target, tok):
         assert all(bool(bits[t]) == (ref.validate_tokens([t]) == 1) for t in drafts[k:k + 1])  # the draft it decides
     again = grammar.masks([])  # rolled back: the state is the committed output's
     assert torch.equal(again[0], masks[0])
+
+
+def test_an_end_of_sequence_draft_after_a_complete_grammar_leaves_the_state_as_it_was(target, tok):
+    """A draft that ends a complete grammar is not walked through (llguidance's rollback does not undo a stop: it
+    took the token before it instead, and the next commit failed): rows after it allow the end of sequence only."""
+    gt = GrammarTokenizer(target.source_dir, target.config.vocab_size)
+    grammar = gt.start(GRAMMARS[0])
+    grammar.commit(tok.encode('{"name": "ab", "count": 7}', add_special_tokens=False))
+    eos = tok.eos_token_ids[-1]
+    before = grammar.masks([])[0]
+    masks = grammar.masks([eos, 100, eos])
+    assert masks[0][eos] and masks[1].sum() == len(set(tok.eos_token_ids)) and masks[1][eos]
+    assert torch.equal(grammar.masks([])[0], before)  # nothing consumed
+    assert not grammar.advance(eos)
+    grammar.commit([eos, eos])  # what a cycle that accepted it emits
+    assert grammar.done
 
 
 class _Junk:
@@ -110,6 +129,50 @@ def test_constrained_speculative_greedy_is_constrained_plain_and_valid(target, t
     if grammar.kind == "json_schema":
         done = [r for r in plain if r.token_ids[-1] in tok.eos_token_ids]
         assert done and all(set(json.loads(tok.decode(r.token_ids[:-1]))) == {"name", "count"} for r in done)
+
+
+@pytest.mark.parametrize("method", ["dspark", "dflash", "eagle3"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_constrained_drafter_drafts_only_what_the_grammar_allows_and_changes_no_output(target, tok, method,
+                                                                                        temperature):
+    """Drafting under the grammar (drafter_worker/constrained.py): every draft of every block is one the grammar
+    allows after the committed output and the drafts before it; the output is the one unconstrained drafting
+    gives (greedy: token for token; the drafts differ, the verifier's rule does not)."""
+    gt = GrammarTokenizer(target.source_dir, target.config.vocab_size)
+    grammar = GRAMMARS[0]
+    model, calibration = load_drafter(f"dspark-target-v2-{method}", target, "float32")
+    committed: dict[str, list[int]] = {}
+    blocks = []
+
+    def observe(rid, block, out):
+        if block:
+            blocks.append((list(committed[rid]), list(block.tokens)))
+
+    def on_tokens(rid, new):
+        committed.setdefault(rid, []).extend(new)
+
+    runs = {}
+    for constrained in (True, False):
+        committed.clear()
+        blocks.clear()
+        router = LocalRouter(make_engine(target, max_len=256, num_slots=8), Drafter(model, calibration), Policy.FIXED,
+                             7, observer=observe, constrained_drafting=constrained)
+        runs[constrained] = (router.generate(_requests(tok, grammar, temperature, n=2), on_tokens), list(blocks))
+    (on, on_blocks), (off, off_blocks) = runs[True], runs[False]
+    assert on_blocks and all(len(b) > 0 for _, b in on_blocks)
+    for output, drafts in on_blocks:
+        walker = gt.start(grammar)
+        walker.commit(output)
+        assert all(walker.matcher.consume_token(t) for t in drafts), tok.decode(output + drafts)
+    forbidden = 0
+    for output, drafts in off_blocks:  # unconstrained, the same drafter proposes what the grammar forbids
+        walker = gt.start(grammar)
+        walker.commit(output)
+        forbidden += not all(walker.matcher.consume_token(t) for t in drafts)
+    assert forbidden > 0
+    if temperature == 0.0:
+        assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    assert sum(r.accepted_tokens for r in on) > 0
 
 
 def test_sampled_constrained_output_stays_inside_the_grammar_under_speculation(target, tok):

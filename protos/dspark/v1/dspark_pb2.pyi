@@ -291,7 +291,7 @@ class LoadReply(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used: _Optional[int] = ..., kv_total: _Optional[int] = ..., step_ms_ema: _Optional[float] = ..., steps: _Optional[int] = ..., streams: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("request_id", "context_ids", "features", "params", "cycle", "traceparent", "method")
+    __slots__ = ("request_id", "context_ids", "features", "params", "cycle", "traceparent", "method", "output_start")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +299,7 @@ class OpenRequest(_message.Message):
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_START_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context_ids: _containers.RepeatedScalarFieldContainer[int]
     features: Tensor
@@ -306,7 +307,8 @@ class OpenRequest(_message.Message):
     cycle: int
     traceparent: str
     method: str
-    def __init__(self, request_id: _Optional[str] = ..., context_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cycle: _Optional[int] = ..., traceparent: _Optional[str] = ..., method: _Optional[str] = ...) -> None: ...
+    output_start: int
+    def __init__(self, request_id: _Optional[str] = ..., context_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cycle: _Optional[int] = ..., traceparent: _Optional[str] = ..., method: _Optional[str] = ..., output_start: _Optional[int] = ...) -> None: ...
 
 class OpenReply(_message.Message):
     __slots__ = ("context_length", "method", "block_size")
