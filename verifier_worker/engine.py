@@ -105,7 +105,7 @@ class Engine:
         # Those already waiting take the free slots first; only what is left over has to queue.
         if len(self._waiting) - self.cache.num_free_slots >= self.config.max_waiting:
             raise CapacityError(f"engine queue is full ({self.config.max_waiting} waiting)")
-        grammar = None if params.grammar is None else self._grammar_tokenizer().start(params.grammar)
+        grammar = None if params.grammar is None else self.grammar_tokenizer().start(params.grammar)
         if grammar is not None and resume_ids:
             grammar.commit(resume_ids)  # the output emitted elsewhere, already inside the grammar
         generator = None
@@ -115,7 +115,7 @@ class Engine:
         self._waiting.append(EngineRequest(request_id, params, tokens, prefill_len, len(prompt_ids), generator,
                                            resumed=bool(resume_ids), share_from=share_prefix_of, grammar=grammar))
 
-    def _grammar_tokenizer(self) -> GrammarTokenizer:
+    def grammar_tokenizer(self) -> GrammarTokenizer:
         """The model's vocabulary for llguidance, built at the first structured-output request."""
         if self._grammar is None:
             self._grammar = GrammarTokenizer(getattr(self.model, "source_dir", None), self.model.config.vocab_size)
