@@ -1,7 +1,10 @@
 """Deployed as a user would, across hosts ([6/6]): three hosts as network namespaces (tests/netns_hosts.py), `ray
 start --head` on A, `ray start --address` on B and C with a custom resource each, `dspark serve` on A with the
-verifier pool placed on B and the drafter pool on C by those resources, the API reached at A's address. The
-replicas serve from their hosts' addresses, and the served greedy output (DSpark drafting) is plain greedy output."""
+verifier pool placed on B and the drafter pool on C by those resources, the API reached at A's address, the load
+board a Redis on A. Every gRPC hop between hosts is mutual TLS (certificates issued for the hosts' addresses by a
+test CA): a replica refuses a plaintext peer and a TLS peer without a client certificate. The replicas serve from
+their hosts' addresses, publish their load to A's board, and the served greedy output (DSpark drafting) is plain
+greedy output."""
 
 from __future__ import annotations
 
@@ -13,7 +16,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
+import redis
+import trustme
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.offline import GenerationRequest, LocalRouter
 from services.loader import load_model
@@ -27,13 +34,44 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not available(), reason="needs root and iproute2 (the CI machine has both)")]
 VENV = Path(sys.executable).parent
 MODEL, PROMPT = "dspark-target", "def fibonacci(n):"
+BOARD_PORT = 6390
 CONFIG = """
 ray: {{address: "{head}:6379"}}
 pools:
   verifier: {{replicas: 1, min_replicas: 1, num_cpus: 1, resources: {{verifier_host: 1}}}}
   drafter: {{replicas: 1, min_replicas: 1, num_cpus: 1, resources: {{drafter_host: 1}}}}
-router: {{host: "{head}", port: 8000}}
+router: {{host: "{head}", port: 8000, redis_url: "{board}"}}
+verifier: {{redis_url: "{board}"}}
+drafter: {{redis_url: "{board}"}}
+tls: {{cert: "{tls}/cert.pem", key: "{tls}/key.pem", ca: "{tls}/ca.pem", client_auth: true}}
 """
+
+
+def _certificates(hosts: Hosts) -> Path:
+    """A test CA and one certificate for every host's address (each end presents it, as server and as client)."""
+    ca = trustme.CA()
+    cert = ca.issue_cert(*hosts.address.values())
+    out = hosts.scratch / "tls"
+    out.mkdir()
+    ca.cert_pem.write_to_path(str(out / "ca.pem"))
+    cert.private_key_pem.write_to_path(str(out / "key.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(out / "cert.pem"))
+    for pem in cert.cert_chain_pems[1:]:
+        pem.write_to_path(str(out / "cert.pem"), append=True)
+    return out
+
+
+def _health(address: str, credentials: grpc.ChannelCredentials | None) -> str:
+    """The replica's health over a plaintext channel (credentials None) or a TLS one → its status, or the RPC error's
+    code name."""
+    channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    except grpc.RpcError as error:
+        return error.code().name
+    finally:
+        channel.close()
 
 
 def _env(hosts: Hosts, host: str) -> dict[str, str]:
@@ -63,8 +101,12 @@ def test_served_across_three_hosts_with_pools_placed_by_resources(tmp_path):
         for host, resource in (("b", "verifier_host"), ("c", "drafter_host")):
             hosts.exec(host, [*start, f"--address={head}:6379", f"--node-ip-address={hosts.address[host]}",
                               f"--resources={json.dumps({resource: 4})}"], env=_env(hosts, host), timeout=120)
+        tls = _certificates(hosts)
+        board = hosts.run("a", ["redis-server", "--bind", head, "--port", str(BOARD_PORT), "--save", "",
+                                "--appendonly", "no", "--protected-mode", "no"], env=_env(hosts, "a"),
+                          stdout=subprocess.DEVNULL)
         config = hosts.scratch / "a" / "serve.yaml"
-        config.write_text(CONFIG.format(head=head))
+        config.write_text(CONFIG.format(head=head, board=f"redis://{head}:{BOARD_PORT}", tls=tls))
         log = (tmp_path / "serve.log").open("w")
         serve = hosts.run("a", ["dspark", "serve", "--config", str(config)], env=_env(hosts, "a"), stdout=log,
                           stderr=subprocess.STDOUT)
@@ -84,6 +126,14 @@ def test_served_across_three_hosts_with_pools_placed_by_resources(tmp_path):
         out = _get(api + "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0},
                    timeout=120)
         assert out["choices"][0]["text"] == tok.decode(plain)
+        verifier = text.split("verifier replica verifier-0 joined at ")[1].split()[0].rstrip(",;.")
+        ca, key, cert = ((tls / name).read_bytes() for name in ("ca.pem", "key.pem", "cert.pem"))
+        assert _health(verifier, None) == "UNAVAILABLE"  # a plaintext peer gets no answer
+        assert _health(verifier, grpc.ssl_channel_credentials(ca)) == "UNAVAILABLE"  # nor one without a client cert
+        assert _health(verifier, grpc.ssl_channel_credentials(ca, key, cert)) == "SERVING"
+        published = redis.Redis(head, BOARD_PORT).keys("*load:*")
+        assert any(b":verifier:" in k for k in published) and any(b":drafter:" in k for k in published), published
+        board.terminate()
         serve.terminate()
         serve.wait(timeout=60)
         for host in ("c", "b", "a"):
