@@ -152,19 +152,24 @@ drafters-gemma-cache: drafters-gemma-rollouts
 		OMP_NUM_THREADS=1 $(BIN)/dspark data target-cache $(GEMMA_DATA) $(GEMMA_CACHE) --shard-worker 1/2 & wait
 	$(BIN)/dspark data target-cache $(GEMMA_DATA) $(GEMMA_CACHE)
 
-# The four drafters on that cache, over that draft vocabulary, with early stopping on held-out expected accepted
-# tokens (4 evaluations of 250 steps without a better one); DSpark and DFlash the same data, steps, anchors and
-# learning rate, side by side on one thread each, then EAGLE-3 and MTP-1; then Platt calibration of DSpark's
-# confidences at T = 1 and at T = 0, both kept (each request's rows get the fit of their kind). Resumable on a kept machine (the run
-# directories under build/); no optimizer state goes to git, so a fresh machine trains a missing drafter again
-# (one that models/ ships is skipped).
+# The four drafters on that cache, over that draft vocabulary, each run ending within a session (the machine may be
+# a fresh one each session, and no optimizer state goes to git): DSpark and EAGLE-3 side by side on one thread each
+# for 36 min of training time (`--time-budget`: the cosine decay spread over it), then DFlash on exactly DSpark's
+# steps, data, anchors and learning rate (its block costs less, so it takes less time) beside MTP-1 for 27 min, and
+# DSpark's Platt calibration at T = 1 and at T = 0 (both kept; each request's rows get the fit of their kind). The
+# best held-out expected accepted length of the run is exported (evaluated every 250 steps and at the end). A
+# drafter that models/ already ships is not trained again.
 GEMMA_TRAIN := --target gemma-3-270m --data-dir build/data-v2 --draft-vocab $(GEMMA_RUN)/d2t.safetensors \
 	--patience 4 --eval-every 250
 train-gemma = test -f models/gemma-3-270m-$(1)/model.safetensors || OMP_NUM_THREADS=1 $(BIN)/dspark train drafter \
-	--method $(1) $(GEMMA_TRAIN) --epochs $(2) --anchors $(3)
+	--method $(1) $(GEMMA_TRAIN) $(2)
+GEMMA_STEPS = $$(tail -1 models/gemma-3-270m-dspark/training_log.jsonl | $(BIN)/python -c \
+	"import json, sys; print(json.load(sys.stdin)['step'])")
 drafters-gemma: drafters-gemma-cache
-	$(call train-gemma,dspark,4,24) & $(call train-gemma,dflash,4,24) & wait
-	$(call train-gemma,eagle3,2,32) & $(call train-gemma,mtp,4,24) & wait
+	$(call train-gemma,dspark,--anchors 24 --steps 100000 --time-budget 0.6) & \
+		$(call train-gemma,eagle3,--anchors 32 --steps 100000 --time-budget 0.6) & wait
+	$(call train-gemma,dflash,--anchors 24 --steps $(GEMMA_STEPS)) & \
+		$(call train-gemma,mtp,--anchors 24 --steps 100000 --time-budget 0.45) & wait
 	test -f models/gemma-3-270m-dspark/calibration.json || for t in 1 0; do $(BIN)/dspark calibrate \
 		--target gemma-3-270m --drafter gemma-3-270m-dspark --data-dir build/data-v2 --temperature $$t \
 		--method platt || exit 1; done
