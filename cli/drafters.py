@@ -229,6 +229,8 @@ def add_eval_parsers(sub) -> None:
                      help="platt: a temperature and a bias per position; sts: a temperature per position")
     cal.add_argument("--max-tokens", type=int, default=96)
     cal.add_argument("--batch", type=int, default=16)
+    cal.add_argument("--dtype", default="float32", help="of the target and drafter (auto: bf16 where native, as a "
+                     "real target is served)")
 
     ev = sub.add_parser("eval", help="τ, per-position acceptance and confidence calibration of drafters")
     ev.add_argument("--target", default="dspark-target")
@@ -243,16 +245,18 @@ def add_eval_parsers(sub) -> None:
     ev.add_argument("--out-dir", type=Path, default=Path("build/eval"), help="JSON, Markdown and PNG files")
     ev.add_argument("--markdown", type=Path, help="also write the Markdown report here")
     ev.add_argument("--json", action="store_true", help="print the JSON report on stdout")
+    ev.add_argument("--dtype", default="float32", help="of the target and drafters (auto: bf16 where native, as a "
+                    "real target is served)")
 
 
-def _load_pair(target_name: str, drafter: str):
+def _load_pair(target_name: str, drafter: str, dtype: str = "float32"):
     from drafter_worker.checkpoint import drafter_config, load_drafter
     from services.loader import load_model
     from services.registry import resolve_model
 
     drafter_dir = resolve_model(drafter)
-    target = load_model(resolve_model(target_name), "float32", "cpu", tap_layers=drafter_config(drafter_dir).tap_layers)
-    model, calibration = load_drafter(drafter_dir, target, "float32")
+    target = load_model(resolve_model(target_name), dtype, "cpu", tap_layers=drafter_config(drafter_dir).tap_layers)
+    model, calibration = load_drafter(drafter_dir, target, dtype)
     return target, model, calibration, drafter_dir
 
 
@@ -266,7 +270,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from training.eval import evaluate
     from training.rollouts import prompts
 
-    target, model, _, drafter_dir = _load_pair(args.target, args.drafter)
+    target, model, _, drafter_dir = _load_pair(args.target, args.drafter, args.dtype)
     if model.dconfig.confidence_head is False:
         raise ValueError(f"{drafter_dir.name} has no confidence head to calibrate")
     tok = TextTokenizer.from_dir(resolve_model(args.target))
@@ -305,13 +309,14 @@ def run_eval(args: argparse.Namespace) -> int:
     tok = TextTokenizer.from_dir(resolve_model(args.target))
     prompt_ids = {d: read_prompts(args.datasets_dir, d, spec.prompts, tok) for d in spec.datasets}
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"command": command_line(sys.argv[1:]), "target": args.target, "datasets": list(spec.datasets),
+    report = {"command": command_line(sys.argv[1:]), "target": args.target, "dtype": args.dtype,
+              "datasets": list(spec.datasets),
               "datasets_dir": str(args.datasets_dir),
               "prompts": spec.prompts,
               "max_tokens": spec.max_tokens, "drafters": {}}
     log = _log()
     for name in names:
-        target, model, calibration, _ = _load_pair(args.target, name)
+        target, model, calibration, _ = _load_pair(args.target, name, args.dtype)
         gammas = (1,) if model.dconfig.block_size == 1 else spec.gammas
         runs = []
         for gamma in gammas:
