@@ -172,7 +172,7 @@ drafters-gemma: drafters-gemma-cache
 		$(call train-gemma,mtp,--anchors 24 --steps 100000 --time-budget 0.45) & wait
 	test -f models/gemma-3-270m-dspark/calibration.json || for t in 1 0; do $(BIN)/dspark calibrate \
 		--target gemma-3-270m --drafter gemma-3-270m-dspark --data-dir build/data-v2 --temperature $$t \
-		--method platt || exit 1; done
+		--method platt --dtype auto || exit 1; done
 
 # Every model from a clean checkout: corpus v2, target v2, its rollouts and cache, its drafters.
 models: target-v2 drafters-v2
