@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from router.offline import GenerationRequest, LocalRouter
 from router.scheduling.policy import Policy
 from services.sampling import logits_to_probs
 from services.types import SamplingParams
+from tests.chi2 import token_p_value
 from tests.conftest import full_forward, make_engine, make_model
 from tests.drafters import FixedDistributionProposer
 
@@ -39,15 +39,6 @@ def _marginals(model) -> tuple[torch.Tensor, torch.Tensor]:
     return p2, p3
 
 
-def _p_value(expected: torch.Tensor, observed: list[int]) -> float:
-    counts = torch.bincount(torch.tensor(observed), minlength=VOCAB).double()
-    exp = expected.double() * len(observed)
-    keep = exp >= 5  # sparse cells pooled into one
-    obs, e = counts[keep].tolist(), exp[keep].tolist()
-    if exp[~keep].sum() > 0:
-        obs.append(float(counts[~keep].sum()))
-        e.append(float(exp[~keep].sum()))
-    return chisquare(obs, [x * sum(obs) / sum(e) for x in e]).pvalue
 
 
 @pytest.mark.slow
@@ -63,5 +54,5 @@ def test_speculative_sampling_through_engine_matches_target():
     assert sum(r.accepted_tokens for r in results) > 0
     assert sum(r.draft_tokens - r.accepted_tokens for r in results) > 0
     p2, p3 = _marginals(model)
-    assert _p_value(p2, [r.token_ids[1] for r in results]) > 1e-3
-    assert _p_value(p3, [r.token_ids[2] for r in results]) > 1e-3
+    assert token_p_value(p2, [r.token_ids[1] for r in results]) > 1e-3
+    assert token_p_value(p3, [r.token_ids[2] for r in results]) > 1e-3

@@ -89,37 +89,52 @@ def _get(url: str, body: dict | None = None, timeout: float = 2.0) -> dict:
         return json.loads(r.read() or b"{}")
 
 
+def _deploy(hosts: Hosts, tmp_path: Path, config_text: str, workers: dict[str, str]
+            ) -> tuple[subprocess.Popen, str]:
+    """`ray start --head` on A, `ray start --address` on each worker host with its resource, `dspark serve --config`
+    on A → the serve process and the API's URL, once /health answers."""
+    head = hosts.address["a"]
+    start = ["ray", "start", "--disable-usage-stats", "--num-cpus=2"]
+    hosts.exec("a", [*start, "--head", f"--node-ip-address={head}", "--port=6379", "--include-dashboard=false"],
+               env=_env(hosts, "a"), timeout=120)
+    for host, resource in workers.items():
+        hosts.exec(host, [*start, f"--address={head}:6379", f"--node-ip-address={hosts.address[host]}",
+                          f"--resources={json.dumps({resource: 4})}"], env=_env(hosts, host), timeout=120)
+    config = hosts.scratch / "a" / "serve.yaml"
+    config.write_text(config_text)
+    log = (tmp_path / "serve.log").open("w")
+    serve = hosts.run("a", ["dspark", "serve", "--config", str(config)], env=_env(hosts, "a"), stdout=log,
+                      stderr=subprocess.STDOUT)
+    api = f"http://{head}:8000"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and serve.poll() is None:
+        try:
+            _get(api + "/health")
+            return serve, api
+        except OSError:
+            time.sleep(2)
+    raise AssertionError("dspark serve did not come up:\n" + (tmp_path / "serve.log").read_text()[-3000:])
+
+
+def _stop(hosts: Hosts, serve: subprocess.Popen, names: list[str]) -> None:
+    serve.terminate()
+    serve.wait(timeout=60)
+    for host in names:
+        hosts.exec(host, ["ray", "stop", "--force"], env=_env(hosts, host), check=False, timeout=60)
+
+
 def test_served_across_three_hosts_with_pools_placed_by_resources(tmp_path):
     tok = TextTokenizer.from_dir(resolve_model(MODEL))
     plain = LocalRouter(make_engine(load_model(resolve_model(MODEL), "float32"), max_len=256)).generate(
         [GenerationRequest("p", tok.encode(PROMPT), SamplingParams(max_tokens=24))])[0].token_ids
     with Hosts(["a", "b", "c"]) as hosts:
         head = hosts.address["a"]
-        start = ["ray", "start", "--disable-usage-stats", "--num-cpus=2"]
-        hosts.exec("a", [*start, "--head", f"--node-ip-address={head}", "--port=6379", "--include-dashboard=false"],
-                   env=_env(hosts, "a"), timeout=120)
-        for host, resource in (("b", "verifier_host"), ("c", "drafter_host")):
-            hosts.exec(host, [*start, f"--address={head}:6379", f"--node-ip-address={hosts.address[host]}",
-                              f"--resources={json.dumps({resource: 4})}"], env=_env(hosts, host), timeout=120)
         tls = _certificates(hosts)
         board = hosts.run("a", ["redis-server", "--bind", head, "--port", str(BOARD_PORT), "--save", "",
                                 "--appendonly", "no", "--protected-mode", "no"], env=_env(hosts, "a"),
                           stdout=subprocess.DEVNULL)
-        config = hosts.scratch / "a" / "serve.yaml"
-        config.write_text(CONFIG.format(head=head, board=f"redis://{head}:{BOARD_PORT}", tls=tls))
-        log = (tmp_path / "serve.log").open("w")
-        serve = hosts.run("a", ["dspark", "serve", "--config", str(config)], env=_env(hosts, "a"), stdout=log,
-                          stderr=subprocess.STDOUT)
-        api = f"http://{head}:8000"
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and serve.poll() is None:
-            try:
-                _get(api + "/health")
-                break
-            except OSError:
-                time.sleep(2)
-        else:
-            raise AssertionError("dspark serve did not come up:\n" + (tmp_path / "serve.log").read_text()[-3000:])
+        serve, api = _deploy(hosts, tmp_path, CONFIG.format(head=head, board=f"redis://{head}:{BOARD_PORT}", tls=tls),
+                             {"b": "verifier_host", "c": "drafter_host"})
         text = (tmp_path / "serve.log").read_text()
         assert f"verifier replica verifier-0 joined at {hosts.address['b']}:" in text
         assert f"drafter replica drafter-0 joined at {hosts.address['c']}:" in text
@@ -134,7 +149,5 @@ def test_served_across_three_hosts_with_pools_placed_by_resources(tmp_path):
         published = redis.Redis(head, BOARD_PORT).keys("*load:*")
         assert any(b":verifier:" in k for k in published) and any(b":drafter:" in k for k in published), published
         board.terminate()
-        serve.terminate()
-        serve.wait(timeout=60)
-        for host in ("c", "b", "a"):
-            hosts.exec(host, ["ray", "stop", "--force"], env=_env(hosts, host), check=False, timeout=60)
+        _stop(hosts, serve, ["c", "b", "a"])
+

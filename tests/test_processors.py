@@ -11,13 +11,13 @@ import math
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from drafter_worker.ngram import NgramProposer
 from router.offline import GenerationRequest, LocalRouter
 from router.scheduling.policy import Policy
 from services.sampling import logits_to_probs
 from services.types import SamplingParams
+from tests.chi2 import token_p_value
 from tests.conftest import VOCAB, full_forward, make_engine, make_model, random_prompts
 from tests.drafters import FixedDistributionProposer, OracleProposer, RandomProposer
 
@@ -126,15 +126,6 @@ def _marginals(model, params) -> tuple[torch.Tensor, torch.Tensor]:
     return p2, p3
 
 
-def _p_value(expected: torch.Tensor, observed: list[int]) -> float:
-    counts = torch.bincount(torch.tensor(observed), minlength=SVOCAB).double()
-    exp = expected.double() * len(observed)
-    keep = exp >= 5
-    obs, e = counts[keep].tolist(), exp[keep].tolist()
-    if exp[~keep].sum() > 0:
-        obs.append(float(counts[~keep].sum()))
-        e.append(float(exp[~keep].sum()))
-    return chisquare(obs, [x * sum(obs) / sum(e) for x in e]).pvalue
 
 
 SAMPLED = {
@@ -160,5 +151,5 @@ def test_sampled_speculation_with_processors_keeps_the_distribution(family):
     results = router.generate(reqs)
     assert sum(r.draft_tokens - r.accepted_tokens for r in results) > 0
     p2, p3 = _marginals(model, SamplingParams(**params))
-    assert _p_value(p2, [r.token_ids[1] for r in results]) > 1e-3, family
-    assert _p_value(p3, [r.token_ids[2] for r in results]) > 1e-3, family
+    assert token_p_value(p2, [r.token_ids[1] for r in results]) > 1e-3, family
+    assert token_p_value(p3, [r.token_ids[2] for r in results]) > 1e-3, family

@@ -16,10 +16,11 @@ from router.offline import GenerationRequest, LocalRouter
 from router.scheduling.policy import Policy
 from services.calls import AheadCall, DraftCall, OpenCall
 from services.types import DraftBlock, SamplingParams
+from tests.chi2 import token_p_value
 from tests.conftest import make_engine, make_model, random_prompts
 from tests.drafters import RandomProposer
 from tests.test_drafters import TAPS, draft_model
-from tests.test_engine_distribution import PARAMS, PROMPT, VOCAB, _marginals, _p_value
+from tests.test_engine_distribution import PARAMS, PROMPT, VOCAB, _marginals
 
 
 def test_the_outcome_is_read_from_the_committed_tokens():
@@ -92,8 +93,8 @@ def test_sampling_with_the_drafter_ahead_keeps_the_target_distribution(steering)
     results = router.generate(requests)
     assert ahead.cache.stats.hits > 100
     p2, p3 = _marginals(model)
-    assert _p_value(p2, [r.token_ids[1] for r in results]) > 1e-3
-    assert _p_value(p3, [r.token_ids[2] for r in results]) > 1e-3
+    assert token_p_value(p2, [r.token_ids[1] for r in results]) > 1e-3
+    assert token_p_value(p3, [r.token_ids[2] for r in results]) > 1e-3
 
 
 def draft_model_for(model):
