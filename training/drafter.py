@@ -205,9 +205,12 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
     best = keeper.restore_best(cfg.run_dir, model)
     if best is not None:
         log(f"exporting the weights of step {best} (held-out expected accepted {keeper.best:.3f})")
+    earlier = ""  # a fine-tune's log follows the log of the weights it started from (read before they are replaced)
+    if cfg.init_from is not None and (Path(cfg.init_from) / "training_log.jsonl").is_file():
+        earlier = (Path(cfg.init_from) / "training_log.jsonl").read_text()
     out = save_drafter(model, cfg.out_dir)
     if (cfg.run_dir / "log.jsonl").is_file():  # a run of 0 steps exports its starting weights, with no log
-        (out / "training_log.jsonl").write_text((cfg.run_dir / "log.jsonl").read_text())
+        (out / "training_log.jsonl").write_text(earlier + (cfg.run_dir / "log.jsonl").read_text())
     return out
 
 
