@@ -1,0 +1,98 @@
+"""The four drafters shipped for Gemma 3 270M (`models/gemma-3-270m-*`, trained here on its own rollouts; the
+target under the Gemma Terms of Use): lossless against it — greedy speculative output equals plain greedy output
+token for token in bf16 (as served) and fp32, with drafts accepted; sampled output keeps the target's
+distribution of the second and third generated tokens, the first two of cycles (χ², top-k 8 so the exact
+marginals are a few forwards); no draft outside a drafter's vocabulary, whose ids map back to the target's
+exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter_worker.checkpoint import drafter_config, load_drafter
+from drafter_worker.drafter import Drafter
+from router.offline import GenerationRequest, LocalRouter
+from router.scheduling.policy import Policy
+from services.loader import load_model
+from services.registry import resolve_model
+from services.sampling import logits_to_probs
+from services.tokenizer import TextTokenizer
+from services.types import SamplingParams
+from tests.chi2 import token_p_value
+from tests.conftest import full_forward, make_engine
+
+pytestmark = pytest.mark.slow
+MODEL = "gemma-3-270m"
+METHODS = ["dspark", "dflash", "eagle3", "mtp"]
+PROMPTS = ["def fibonacci(n):", "<start_of_turn>user\nWhat is 12 + 30?<end_of_turn>\n<start_of_turn>model\n",
+           "import numpy as np\n\n"]
+TOKENS = 24
+SAMPLED = {"temperature": 1.0, "top_k": 8}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return TextTokenizer.from_dir(resolve_model(MODEL))
+
+
+@pytest.fixture(scope="module")
+def targets():
+    taps = drafter_config(resolve_model(f"{MODEL}-dspark")).tap_layers
+    return {dtype: load_model(resolve_model(MODEL), dtype, "cpu", tap_layers=taps) for dtype in ("bfloat16", "float32")}
+
+
+def _generate(model, prompts, params, proposer=None, observer=None, gamma=7):
+    engine = make_engine(model, num_slots=min(64, len(prompts)), max_len=160, max_batch_tokens=1024,
+                         max_waiting=4096)
+    requests = [GenerationRequest(f"r{i}", p, SamplingParams(**params, seed=i)) for i, p in enumerate(prompts)]
+    router = (LocalRouter(engine, proposer, Policy.FIXED, gamma, observer=observer) if proposer
+              else LocalRouter(engine))
+    return router.generate(requests)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_speculative_equals_plain(targets, tok, method, dtype):
+    model = targets[dtype]
+    prompts = [tok.encode(p) for p in PROMPTS]
+    plain = _generate(model, prompts, {"max_tokens": TOKENS})
+    draft_model, calibration = load_drafter(f"{MODEL}-{method}", model, dtype)
+    drafted: list[int] = []
+    spec = _generate(model, prompts, {"max_tokens": TOKENS}, Drafter(draft_model, calibration),
+                     lambda rid, block, out: drafted.extend(block.tokens if block else []))
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert sum(r.accepted_tokens for r in spec) > 0  # it drafted, and well enough to be accepted
+    ids = torch.tensor(drafted)
+    assert bool((draft_model.draft_ids(ids) < draft_model.draft_vocab).all())  # never outside its vocabulary
+    vocab = torch.arange(draft_model.draft_vocab)
+    assert torch.equal(draft_model.draft_ids(draft_model.to_target(vocab)), vocab)
+
+
+@torch.no_grad()
+def _next(model, prefix: list[int]) -> torch.Tensor:
+    logits = full_forward(model, prefix).logits[-1:].float()  # [1, V]
+    return logits_to_probs(logits, torch.tensor([SAMPLED["temperature"]]), torch.tensor([SAMPLED["top_k"]]),
+                           torch.tensor([1.0]))[0]
+
+
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_sampled_speculative_output_keeps_the_target_distribution(targets, tok, method):
+    model = targets["bfloat16"]  # as served
+    prompt = tok.encode(PROMPTS[1])
+    draft_model, calibration = load_drafter(f"{MODEL}-{method}", model, "bfloat16")
+    n = 256
+    results = _generate(model, [prompt] * n, {"max_tokens": 3, **SAMPLED}, Drafter(draft_model, calibration))
+    assert sum(r.accepted_tokens for r in results) > 0
+    assert sum(r.draft_tokens - r.accepted_tokens for r in results) > 0  # rejections too: the rule is exercised
+    p1 = _next(model, prompt)  # the first token comes from the prefill; the second and third from cycles
+    p2, p3 = torch.zeros_like(p1), torch.zeros_like(p1)
+    for t1 in torch.nonzero(p1).flatten().tolist():
+        cond2 = _next(model, [*prompt, t1])
+        p2 += p1[t1] * cond2
+        for t2 in torch.nonzero(cond2).flatten().tolist():
+            p3 += p1[t1] * cond2[t2] * _next(model, [*prompt, t1, t2])
+    assert token_p_value(p2, [r.token_ids[1] for r in results]) > 1e-3
+    assert token_p_value(p3, [r.token_ids[2] for r in results]) > 1e-3
