@@ -72,6 +72,7 @@ class Drafter(StatelessProposer):
         self.steering: Steering | None = None
         self.steered: set[str] = set()  # requests whose sampled drafts are steered
         self._constraints: dict[str, Constraint] = {}  # requests drafting under their grammar
+        self._target_ids: torch.Tensor | None = None  # [Vd] target ids of the draft vocabulary
 
     @property
     def device(self) -> torch.device:
@@ -114,7 +115,9 @@ class Drafter(StatelessProposer):
             grammars.append(None if c is None else c.grammar)
         if not any(g is not None for g in grammars):
             return None
-        return GrammarWalk(grammars, self.model.to_target(torch.arange(self.model.draft_vocab, device=self.device)))
+        if self._target_ids is None:  # the target id of each draft id, made at the first constrained block
+            self._target_ids = self.model.to_target(torch.arange(self.model.draft_vocab, device=self.device))
+        return GrammarWalk(grammars, self._target_ids)
 
     def last_out(self, request_id: str) -> torch.Tensor:
         """Chain models: the output [d] of the request's last context row (it predicts the first draft)."""

@@ -36,10 +36,10 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 
 @functools.lru_cache(maxsize=4)
-def _tokenizer(model_dir: str) -> llguidance.LLTokenizer:
+def _tokenizer(model_dir: str) -> tuple[llguidance.LLTokenizer, frozenset[int]]:
     """A model's vocabulary for llguidance (its EOS ids as the model's tokenizer says), built once a process."""
     eos = TextTokenizer.from_dir(model_dir).eos_token_ids
-    return llguidance.LLTokenizer(str(Path(model_dir) / "tokenizer.json"), eos_token=list(eos))
+    return llguidance.LLTokenizer(str(Path(model_dir) / "tokenizer.json"), eos_token=list(eos)), frozenset(eos)
 
 
 def compile_grammar(grammar: Grammar) -> str:
@@ -67,9 +67,8 @@ class GrammarTokenizer:
         if path is None or not path.is_file():
             raise InvalidRequestError("structured output needs the model's tokenizer (tokenizer.json), which this "
                                       "verifier was not given")
-        self.lltok = _tokenizer(str(path.parent))
+        self.lltok, self.eos = _tokenizer(str(path.parent))
         self.vocab_size = vocab_size  # the logits' width; ids past the tokenizer's are never allowed
-        self.eos = frozenset(TextTokenizer.from_dir(path.parent).eos_token_ids)
 
     def start(self, grammar: Grammar) -> RequestGrammar:
         """A request's grammar at the start of its output; a grammar that does not compile → 400 by name."""
