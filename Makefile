@@ -7,7 +7,8 @@ PROMPT ?= def fibonacci(n):
 
 .PHONY: install serve test lint bench bench-tiers bench-policies bench-ray soak bench-overload results-serving data target-v2 \
 	data-deps test-deps drafters drafters-v2-cache drafters-v2 models acceptance image clean peer-check \
-	drafters-gemma-rollouts drafters-gemma-cache drafters-gemma drafters-gemma-more
+	drafters-gemma-rollouts drafters-gemma-cache drafters-gemma drafters-gemma-more \
+	drafters-gemma-more-chain drafters-gemma-calibrate
 
 $(BIN)/dspark: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -175,17 +176,23 @@ drafters-gemma: drafters-gemma-cache
 		--method platt --dtype auto || exit 1; done
 
 # Another round for the shipped Gemma drafters, from their weights (the optimizer starts afresh: no optimizer state
-# is kept in git), on the same budgets — DFlash again on DSpark's steps of the round — then DSpark calibrated anew.
-# Each round's run directory is named after the weights it starts from, so a kept machine resumes a cut round and
-# a finished one is not run twice. Commit the exported weights (one new blob per drafter and round).
+# is kept in git), each tap at unit RMS in training (`--tap-scale`, folded into the context projection at export):
+# DSpark and DFlash side by side on the same steps, data, anchors and learning rate (a fair pair), then EAGLE-3
+# beside MTP-1 (`drafters-gemma-more-chain`), then DSpark calibrated anew. Each round's run directory is named
+# after the weights it starts from, so a kept machine resumes a cut round and a finished one is not run twice.
+# Commit the exported weights (one new blob per drafter and round).
+GEMMA_ROUND_STEPS ?= 1000
 gemma-round = $(GEMMA_RUN)/rounds/$(1)-$$(sha256sum models/gemma-3-270m-$(1)/model.safetensors | cut -c1-12)
 more-gemma = OMP_NUM_THREADS=1 $(BIN)/dspark train drafter --method $(1) $(GEMMA_TRAIN) --init-from \
-	models/gemma-3-270m-$(1) --run-dir $(call gemma-round,$(1)) $(2)
+	models/gemma-3-270m-$(1) --run-dir $(call gemma-round,$(1)) --tap-scale $(2)
 drafters-gemma-more: drafters-gemma-cache
-	$(call more-gemma,dspark,--anchors 24 --steps 100000 --time-budget 0.6) & \
-		$(call more-gemma,eagle3,--anchors 32 --steps 100000 --time-budget 0.6) & wait
-	$(call more-gemma,dflash,--anchors 24 --steps $(GEMMA_STEPS)) & \
-		$(call more-gemma,mtp,--anchors 24 --steps 100000 --time-budget 0.45) & wait
+	$(call more-gemma,dspark,--anchors 24 --steps $(GEMMA_ROUND_STEPS)) & \
+		$(call more-gemma,dflash,--anchors 24 --steps $(GEMMA_ROUND_STEPS)) & wait
+	$(MAKE) drafters-gemma-calibrate
+drafters-gemma-more-chain: drafters-gemma-cache
+	$(call more-gemma,eagle3,--anchors 32 --steps $(GEMMA_ROUND_STEPS)) & \
+		$(call more-gemma,mtp,--anchors 24 --steps $(GEMMA_ROUND_STEPS)) & wait
+drafters-gemma-calibrate: $(BIN)/dspark
 	rm -f models/gemma-3-270m-dspark/calibration.json
 	for t in 1 0; do $(BIN)/dspark calibrate --target gemma-3-270m --drafter gemma-3-270m-dspark \
 		--data-dir build/data-v2 --temperature $$t --method platt --dtype auto || exit 1; done

@@ -97,6 +97,8 @@ def add_train_parser(train_sub) -> None:
     p.add_argument("--time-budget", type=float, default=0.0, help="hours of training at most: the run stops "
                    "there, its learning-rate decay spread over that time (--steps / --epochs stay a cap)")
     p.add_argument("--no-autocast", action="store_true", help="train in fp32 even where bf16 is native")
+    p.add_argument("--tap-scale", action="store_true", help="each tap at unit RMS in training (folded into the "
+                   "context projection at export: serving is unchanged); for targets whose taps differ in scale")
     p.add_argument("--patience", type=int, default=0,
                    help="stop after this many evaluations without a better held-out acceptance (0: never)")
     p.add_argument("--batch-sequences", type=int, default=8)
@@ -177,7 +179,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         anchors_per_sequence=args.anchors, lr=args.lr, eval_every=args.eval_every, seed=args.seed,
         patience=args.patience, autocast=False if args.no_autocast else None, standin_weight=args.standin_weight,
         init_from=args.init_from, unroll=args.unroll, mirror_dir=args.mirror_dir, mirror_every=args.mirror_every,
-        time_budget_s=args.time_budget * 3600)
+        time_budget_s=args.time_budget * 3600, tap_scale=args.tap_scale)
     target = load_model(target_dir, "float32", "cpu")
     out = train(dcfg, target, train_cache, val_cache, cfg, log=_log(), d2t=d2t)
     _log()(f"exported the drafter to {out}")

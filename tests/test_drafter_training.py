@@ -315,6 +315,38 @@ def test_stand_in_fine_tune_starts_from_the_export_and_closes_the_gap(caches):
     assert "standin" not in json.loads((root / "run-base" / "log.jsonl").read_text().splitlines()[0])
 
 
+@pytest.mark.parametrize("method", ["dspark", "eagle3"])
+def test_tap_scaled_training_sees_unit_taps_and_exports_a_drafter_of_raw_taps(caches, method):
+    """Training scales tap i by 1 / RMS_i; a run from an export unfolds the scale into fc and export folds it
+    back: 0 steps from an export give the export again, and the held-out figures do not move."""
+    from training import tap_scale
+
+    target, _, cache, val, root = caches
+    scale = tap_scale.measure(cache, len(TAPS))
+    seq = cache[0]
+    scaled = tap_scale.apply(seq.taps[seq.loss_mask], scale).view(-1, len(TAPS), target.config.hidden_size)
+    assert scaled.pow(2).mean((0, 2)).tolist() == pytest.approx([1.0] * len(TAPS), rel=0.5)  # one sequence of 64
+    dcfg = default_config(method, "tiny", TAPS, VOCAB - 1)
+    base = DrafterTrainConfig(run_dir=root / f"ts-base-{method}", out_dir=root / f"ts-out-{method}", steps=2,
+                              batch_sequences=2, anchors_per_sequence=4, eval_every=2)
+    exported = train(dcfg, target, cache, val, base, log=lambda _: None)
+    again = DrafterTrainConfig(run_dir=root / f"ts-again-{method}", out_dir=root / f"ts-again-out-{method}",
+                               steps=0, init_from=exported, tap_scale=True)
+    same = load_drafter(train(dcfg, target, cache, val, again, log=lambda _: None), target, "float32")[0]
+    trained = load_drafter(exported, target, "float32")[0]
+    for (name, a), b in zip(same.state_dict().items(), trained.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+    assert json.loads((root / f"ts-again-{method}" / "tap_scale.json").read_text())["scale"] == pytest.approx(
+        scale.tolist())
+    tuned = DrafterTrainConfig(run_dir=root / f"ts-tune-{method}", out_dir=root / f"ts-tune-out-{method}", steps=1,
+                               batch_sequences=2, anchors_per_sequence=4, eval_every=1, lr=0.0, init_from=exported,
+                               tap_scale=True)
+    train(dcfg, target, cache, val, tuned, log=lambda _: None)
+    first = json.loads((root / f"ts-tune-{method}" / "log.jsonl").read_text().splitlines()[0])["val"]
+    raw = json.loads((root / f"ts-base-{method}" / "log.jsonl").read_text().splitlines()[-1])["val"]
+    assert first["loss"] == pytest.approx(raw["loss"], rel=1e-3)  # scaled taps, unfolded fc: the same function
+
+
 def test_mtp_unrolled_two_steps_trains_on_its_own_output_and_still_serves_one(caches):
     """`unroll`: MTP-1 trained over two training-time-test steps (the second reads its own output, as a block
     drafted ahead does); validation and the export keep its block of one. Block drafters refuse it."""

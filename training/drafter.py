@@ -23,6 +23,7 @@ from drafter_worker.checkpoint import DraftModel, build_draft_model, load_drafte
 from drafter_worker.config import DrafterConfig, Method
 from services.loader import native_bf16
 from services.model import CausalLM
+from training import tap_scale as tap_scales
 from training.anchors import block_labels, sample_anchors
 from training.drafter_losses import decay_weights, dflash_loss, dspark_loss, soft_ce_loss, standin_loss, step_weights
 from training.early_stop import EarlyStop, expected_accepted
@@ -56,6 +57,7 @@ class DrafterTrainConfig:
     mirror_every: int = 250
     time_budget_s: float = 0.0  # > 0: stop when the run's training time reaches it, the cosine decay spread over
     # that time rather than over `steps` (which stays a cap): a run that must end within a session ends decayed
+    tap_scale: bool = False  # each tap at unit RMS in training, folded into fc at export (training/tap_scale.py)
 
 
 @dataclass(slots=True)
@@ -71,7 +73,7 @@ class Batch:
 
 
 def make_batch(cache: TargetCache, indices: list[int], anchors: int, gamma: int, gen: torch.Generator,
-               device: torch.device) -> Batch:
+               device: torch.device, tap_scale: torch.Tensor | None = None) -> Batch:
     seqs = [cache[i] for i in indices]
     width = max(len(s.ids) for s in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -90,6 +92,8 @@ def make_batch(cache: TargetCache, indices: list[int], anchors: int, gamma: int,
         anchor_list.append(pos)
         labels.append(lab)
         masks.append(mask)
+    if tap_scale is not None:
+        taps = tap_scales.apply(taps, tap_scale)
     return Batch(ids.to(device), taps.to(device), hidden.to(device), torch.cat(seq_of).to(device),
                  torch.cat(anchor_list).to(device), torch.cat(labels).to(device), torch.cat(masks).to(device),
                  None if lse is None else lse.to(device))
@@ -151,6 +155,11 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
     model = build_draft_model(dcfg, target, d2t=d2t).float().train()
     if cfg.init_from is not None and not (cfg.run_dir / "state.pt").is_file():  # a resume has its own weights
         model.load_state_dict(load_drafter(cfg.init_from, target, "float32")[0].state_dict())
+    scale = tap_scales.for_run(cfg.run_dir, cache, len(dcfg.tap_layers)) if cfg.tap_scale else None
+    if scale is not None:
+        log(f"tap scale (1 / RMS per tap): {[round(x, 5) for x in scale.tolist()]}")
+        if cfg.init_from is not None and not (cfg.run_dir / "state.pt").is_file():
+            tap_scales.unfold(model, scale)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     step, elapsed = resume_state(cfg.run_dir, model, opt)
@@ -179,7 +188,7 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
                     group["lr"] = warmup_cosine(step, cfg.steps, warmup, cfg.lr, floor_ratio=0.0)
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # batch of step n is fixed: resumable
             indices = torch.randint(len(cache), (cfg.batch_sequences,), generator=gen).tolist()
-            batch = make_batch(cache, indices, cfg.anchors_per_sequence, steps_per_anchor, gen, device)
+            batch = make_batch(cache, indices, cfg.anchors_per_sequence, steps_per_anchor, gen, device, scale)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 loss, terms = forward_loss(model, batch, cfg.standin_weight)
             opt.zero_grad(set_to_none=True)
@@ -192,7 +201,7 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
                       **{k: round(v.item(), 4) for k, v in terms.items() if v.dim() == 0}}
             last = step == cfg.steps or (budget > 0 and elapsed >= budget)
             if step % cfg.eval_every == 0 or last:
-                record["val"] = evaluate(model, val, cfg)
+                record["val"] = evaluate(model, val, cfg, scale)
                 if keeper.update(cfg.run_dir, model, step, record["val"]["expected_accepted"]):
                     log(f"stopping early at step {step}: no better held-out acceptance since step {keeper.best_step}")
             with (cfg.run_dir / "log.jsonl").open("a") as f:
@@ -208,6 +217,8 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
     earlier = ""  # a fine-tune's log follows the log of the weights it started from (read before they are replaced)
     if cfg.init_from is not None and (Path(cfg.init_from) / "training_log.jsonl").is_file():
         earlier = (Path(cfg.init_from) / "training_log.jsonl").read_text()
+    if scale is not None:
+        tap_scales.fold(model, scale)
     out = save_drafter(model, cfg.out_dir)
     if (cfg.run_dir / "log.jsonl").is_file():  # a run of 0 steps exports its starting weights, with no log
         (out / "training_log.jsonl").write_text(earlier + (cfg.run_dir / "log.jsonl").read_text())
@@ -215,7 +226,8 @@ def train(dcfg: DrafterConfig, target: CausalLM, cache: TargetCache, val: Target
 
 
 @torch.no_grad()
-def evaluate(model: DraftModel, val: TargetCache, cfg: DrafterTrainConfig) -> dict:
+def evaluate(model: DraftModel, val: TargetCache, cfg: DrafterTrainConfig, tap_scale: torch.Tensor | None = None
+             ) -> dict:
     """Held-out loss and expected acceptance 1 − ½‖p_d − p_t‖₁ per slot (T = 1, teacher-forced prefix)."""
     model.eval()
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -223,7 +235,7 @@ def evaluate(model: DraftModel, val: TargetCache, cfg: DrafterTrainConfig) -> di
     indices = list(range(min(cfg.eval_sequences, len(val))))
     for start in range(0, len(indices), cfg.batch_sequences):
         batch = make_batch(val, indices[start : start + cfg.batch_sequences], cfg.anchors_per_sequence,
-                           model.dconfig.block_size, gen, model.lm_head.weight.device)
+                           model.dconfig.block_size, gen, model.lm_head.weight.device, tap_scale)
         loss, terms = forward_loss(model, batch)
         losses.append(loss.item())
         mask = batch.eval_mask.float()
