@@ -107,8 +107,10 @@ def truncate_to_sparse(probs: torch.Tensor, max_k: int = 64) -> tuple[torch.Tens
 
 
 def densify(ids: torch.Tensor, probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Sparse q (ids [γ, K], probs [γ, K]) → dense [γ, V] fp32."""
-    return torch.zeros(ids.shape[0], vocab_size, dtype=torch.float32, device=probs.device).scatter_(
+    """Sparse q (ids [γ, K], probs [γ, K]) → dense [γ, V] fp32. Added, not written: with an id given twice a
+    write would keep one of its entries (torch leaves which unspecified) and could erase the drafted token's mass,
+    making its acceptance certain; a drafter's ids are distinct, but this rule cannot be broken by one that is not."""
+    return torch.zeros(ids.shape[0], vocab_size, dtype=torch.float32, device=probs.device).scatter_add_(
         -1, ids.long(), probs.float()
     )
 

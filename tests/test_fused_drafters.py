@@ -14,7 +14,7 @@ from drafter_worker.calibration import Calibration
 from drafter_worker.context_cache import ContextCache
 from drafter_worker.drafter import Drafter
 from services import cpu_kernels
-from services.sampling import logits_to_probs, truncate_to_sparse
+from services.sampling import densify, logits_to_probs, truncate_to_sparse
 from services.types import SamplingParams
 from tests.conftest import make_model
 from tests.test_drafters import MASK, TAPS, draft_model
@@ -190,12 +190,34 @@ def test_the_sampled_markov_block_sends_the_q_it_draws_from(target, dtype):
             assert got.get(i, 0.0) == pytest.approx(p, abs=2e-3 if dtype == torch.bfloat16 else 1e-5)
         assert peaks[0, k].item() == pytest.approx(probs[0, k, 0].item())
         prev = tokens[:1, k]
+    assert all(len(set(step.tolist())) == len(step) for step in ids[0]), "an id sent twice in one q'"
     q0 = dict(zip(ids[0, 0].tolist(), probs[0, 0].tolist(), strict=True))
     support = [i for i, p in q0.items() if p > 0]
     counts = torch.bincount(tokens[:, 0], minlength=model.config.vocab_size)
     assert int(counts.sum()) == int(counts[support].sum()), "a token outside q'"
     expected = torch.tensor([q0[i] for i in support]) * rows
     assert chisquare(counts[support].double().numpy(), expected.double().numpy()).pvalue > 1e-3
+
+
+@torch.no_grad()
+def test_a_max_q_beyond_the_draft_vocabulary_sends_each_id_once(target):
+    """q' has min(max_q, V_draft) columns, as `truncate_to_sparse`: wider, a column could only repeat an id, and a
+    repeated id with mass 0 once erased the drafted token's q in verification (acceptance certain, output biased)."""
+    model = _drafter(target, "dspark", torch.float32).model
+    vocab, rows = model.draft_vocab, 4
+    h = torch.randn(rows, GAMMA, model.config.hidden_size)
+    knobs = (torch.full((rows,), 1.0), torch.zeros(rows, dtype=torch.long), torch.ones(rows))
+    uniform = torch.rand(rows, GAMMA, dtype=torch.float64)
+    _, _, _, ids, probs = fused_block.sampled_heads(model, h, torch.full((rows,), 11), *knobs, uniform, vocab + 8)
+    assert ids.shape == probs.shape == (rows, GAMMA, vocab)
+    assert all(len(set(step.tolist())) == vocab for row in ids for step in row)
+    dense = densify(ids[0], probs[0], model.config.vocab_size)
+    assert torch.allclose(dense.sum(-1), torch.ones(GAMMA))
+
+
+def test_a_repeated_id_adds_its_mass_in_the_dense_q():
+    dense = densify(torch.tensor([[2, 5, 2]]), torch.tensor([[0.5, 0.5, 0.0]]), 8)
+    assert dense[0, 2] == 0.5 and dense[0, 5] == 0.5
 
 
 @torch.no_grad()

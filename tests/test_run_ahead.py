@@ -79,19 +79,23 @@ def test_greedy_with_the_drafter_ahead_equals_plain(target, method):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("steering", [None, Steering(2, 0.3)], ids=["plain", "steered"])
-def test_sampling_with_the_drafter_ahead_keeps_the_target_distribution(steering):
+@pytest.mark.parametrize("ahead,steering", [(False, None), (True, None), (True, Steering(2, 0.3))],
+                         ids=["lock-step", "plain", "steered"])
+def test_sampling_with_the_drafter_ahead_keeps_the_target_distribution(ahead, steering):
     """χ² of the 2nd and 3rd tokens with cached blocks verified against the q they were drawn from (with
-    Saguaro sampling: the steered q')."""
+    Saguaro sampling: the steered q'); lock-step, the DSpark drafter's own sampled block (the one-call Markov
+    kernel), whose q' once repeated an id past a small draft vocabulary and failed here at p ≈ 1e-83."""
     model = make_model(vocab=VOCAB, layers=1, hidden=32, seed=5, taps=(0,))
     torch.manual_seed(0)
-    ahead = RunAhead(Drafter(draft_model_for(model)), budget=8, steering=steering)
+    drafter = Drafter(draft_model_for(model))
+    proposer = RunAhead(drafter, budget=8, steering=steering) if ahead else drafter
     n = 2500
     requests = [GenerationRequest(f"r{i}", PROMPT, SamplingParams(max_tokens=4, seed=i, **PARAMS)) for i in range(n)]
     router = LocalRouter(make_engine(model, num_slots=64, max_len=16, max_batch_tokens=512, max_waiting=4096),
-                         ahead, Policy.FIXED, gamma=1)
+                         proposer, Policy.FIXED, gamma=1)
     results = router.generate(requests)
-    assert ahead.cache.stats.hits > 100
+    assert sum(r.accepted_tokens for r in results) > 0 and sum(r.draft_tokens - r.accepted_tokens for r in results) > 0
+    assert not ahead or proposer.cache.stats.hits > 100
     p2, p3 = _marginals(model)
     assert token_p_value(p2, [r.token_ids[1] for r in results]) > 1e-3
     assert token_p_value(p3, [r.token_ids[2] for r in results]) > 1e-3

@@ -113,7 +113,7 @@ template <class T>
 std::pair<int64_t, float> draw(const float* u, const T* b, float* l, int64_t V, float temp, int64_t top_k, float top_p,
                                double uniform, int64_t K, int64_t* ids, float* probs) {
   scaled<T>(u, b, 1.f / temp, l, V);
-  const int64_t kk = top_k > 0 ? std::min<int64_t>(top_k, V) : V, support = std::min<int64_t>(K, V);
+  const int64_t kk = top_k > 0 ? std::min<int64_t>(top_k, V) : V, support = K;
   const auto best = largest(l, V, support);
   const float top = best[0].first;
   double total = 0.0;  // the normaliser of what top-k keeps
@@ -139,7 +139,7 @@ std::pair<int64_t, float> draw(const float* u, const T* b, float* l, int64_t V, 
   bool drawn = false;
   for (int64_t i = 0; i < K; ++i) {
     const double p = i < kept ? std::exp(static_cast<double>(best[i].first - top)) : 0.0;
-    ids[i] = i < support ? best[i].second : best[0].second;
+    ids[i] = best[i].second;  // K ≤ V (`markov_block`): distinct ids
     probs[i] = static_cast<float>(p / mass);
     cdf += p;
     if (!drawn && i < kept && cdf > pick) token = best[i].second, drawn = true;
@@ -228,8 +228,11 @@ std::vector<torch::Tensor> markov_block(torch::Tensor U, torch::Tensor h, torch:
     TORCH_CHECK(t.numel() == A && k.numel() == A && p.numel() == A && u.numel() == A * G,
                 "markov_block: knobs [A], uniforms [A, γ]");
     TORCH_CHECK((t > 0).all().item<bool>(), "markov_block: a sampled row's temperature is > 0");
-    ids = torch::empty({A, G, max_q}, a.options()), probs = torch::empty({A, G, max_q}, U.options());
-    sampling = {t.data_ptr<float>(), k.data_ptr<int64_t>(), p.data_ptr<float>(), u.data_ptr<double>(), max_q,
+    // K = min(max_q, V), as `truncate_to_sparse`: past V a column could only repeat an id, and verification's
+    // dense q (`densify`) must see every id once.
+    const int64_t K = std::min<int64_t>(max_q, U.size(2));
+    ids = torch::empty({A, G, K}, a.options()), probs = torch::empty({A, G, K}, U.options());
+    sampling = {t.data_ptr<float>(), k.data_ptr<int64_t>(), p.data_ptr<float>(), u.data_ptr<double>(), K,
                 ids.data_ptr<int64_t>(), probs.data_ptr<float>()};
   }
   const Sampling* sp = sampled ? &sampling : nullptr;
