@@ -73,7 +73,7 @@ def in_process(method: str, temperature: float, budget: int, gamma: int, max_tok
     from drafter_worker.ahead import RunAhead
     from drafter_worker.checkpoint import drafter_config, load_drafter
     from drafter_worker.drafter import Drafter
-    from router.offline import GenerationRequest, LocalRouter
+    from in_process.generation import GenerationRequest, InProcessRouter
     from services.loader import load_model
     from verifier_worker.engine import Engine, EngineConfig
 
@@ -93,7 +93,7 @@ def in_process(method: str, temperature: float, budget: int, gamma: int, max_tok
         arms.append(("steered", RunAhead(Drafter(model, calibration), budget, steering)))
     for name, proposer in arms:
         engine = Engine(target, EngineConfig(num_slots=4, max_len=400))
-        results = LocalRouter(engine, proposer, Policy.FIXED, 1 if method == "mtp" else gamma).generate(requests)
+        results = InProcessRouter(engine, proposer, Policy.FIXED, 1 if method == "mtp" else gamma).generate(requests)
         cycles, accepted = sum(r.cycles for r in results), sum(r.accepted_tokens for r in results)
         row[f"tau_{name}"] = round(sum(r.cycle_tokens for r in results) / cycles, 3)
         if name != "fresh":

@@ -17,7 +17,7 @@ from benchmarks.engine_speed import cpu_model
 from benchmarks.grammar_cost import QUESTIONS, SCHEMA
 from drafter_worker.checkpoint import drafter_config, load_drafter
 from drafter_worker.drafter import Drafter
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.grammar import GrammarTokenizer
 from services.loader import load_model
@@ -52,7 +52,7 @@ def arm(model, drafter, tok, gt, grammar, temperature: float, prompts: int, toke
                               SamplingParams(temperature=temperature, seed=i, max_tokens=tokens, grammar=grammar),
                               stop_token_ids=tok.eos_token_ids) for i in range(prompts)]
     engine = Engine(model, EngineConfig(num_slots=prompts, max_len=512, max_batch_tokens=4096))
-    router = LocalRouter(engine, drafter, Policy.FIXED, drafter.model.dconfig.block_size, observer=observe,
+    router = InProcessRouter(engine, drafter, Policy.FIXED, drafter.model.dconfig.block_size, observer=observe,
                          constrained_drafting=constrained)
     out = router.generate(reqs, on_tokens)
     cycles = sum(r.cycles for r in out)

@@ -21,7 +21,7 @@ import torch
 from benchmarks.engine_speed import DATASETS, cpu_model, prompts
 from drafter_worker.checkpoint import drafter_config, load_drafter
 from drafter_worker.drafter import Drafter
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.loader import load_model, native_bf16
 from services.registry import resolve_model
@@ -50,7 +50,7 @@ def token_counts(tok: TextTokenizer, vocab: int, max_chars: int) -> tuple[torch.
 
 
 def run(engine, proposer, policy, gamma, ids, tokens) -> dict:
-    router = LocalRouter(engine, proposer, policy, gamma)
+    router = InProcessRouter(engine, proposer, policy, gamma)
     timed = {"draft_s": 0.0}
     if proposer is not None:
         propose = proposer.propose

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.loader import load_model, resolve_dtype
 from services.model import CausalLM
@@ -80,7 +80,7 @@ def plain_decode(model, batches, prompt_len, new_tokens) -> list[dict]:
     rows = []
     for b in batches:
         engine = Engine(model, EngineConfig(num_slots=b, max_len=prompt_len + new_tokens + 16, max_batch_tokens=4096))
-        router = LocalRouter(engine, policy=Policy.NONE)
+        router = InProcessRouter(engine, policy=Policy.NONE)
         g = torch.Generator().manual_seed(b)
         reqs = [
             GenerationRequest(f"r{i}", torch.randint(3, model.config.vocab_size, (prompt_len,), generator=g).tolist(),
@@ -124,7 +124,7 @@ def greedy_identity(model, prompts, new_tokens, gamma) -> dict:
         config = EngineConfig(num_slots=8, max_len=512, max_batch_tokens=512)
         reqs = [GenerationRequest(f"p{i}", p, SamplingParams(max_tokens=new_tokens)) for i, p in enumerate(prompts)]
         t0 = time.perf_counter()
-        results = LocalRouter(Engine(model, config), proposer, policy, gamma).generate(reqs)
+        results = InProcessRouter(Engine(model, config), proposer, policy, gamma).generate(reqs)
         return results, time.perf_counter() - t0
 
     plain, plain_s = run(None, Policy.NONE)

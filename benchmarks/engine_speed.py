@@ -29,7 +29,7 @@ import torch
 
 from drafter_worker.checkpoint import drafter_config, load_drafter
 from drafter_worker.drafter import Drafter
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.loader import load_model, native_bf16
 from services.registry import resolve_model
@@ -102,7 +102,7 @@ class Rate:
 
 def generate_tps(engine: Engine, proposer, policy: Policy, gamma: int, ids: list[list[int]], stopping: Stopping,
                  batch: int, temperature: float = 0.0, sps: list[tuple[int, float]] | None = None) -> Rate:
-    router = LocalRouter(engine, proposer, policy, gamma, sps=sps)
+    router = InProcessRouter(engine, proposer, policy, gamma, sps=sps)
     reqs = [GenerationRequest(f"p{i}", p, SamplingParams(max_tokens=stopping.tokens, temperature=temperature,
                                                          seed=i if temperature else None), stopping.stop_ids)
             for i, p in enumerate(ids)]

@@ -21,7 +21,7 @@ import torch
 from benchmarks.engine_speed import DATASETS, DRAFTERS, cpu_model, prompts
 from drafter_worker.checkpoint import drafter_config, load_drafter
 from drafter_worker.drafter import Drafter
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.loader import load_model, resolve_device
 from services.registry import resolve_model
@@ -32,7 +32,7 @@ from verifier_worker.profile import profile_sps
 
 
 def run(engine: Engine, proposer, policy: Policy, gamma: int, ids: list[list[int]], tokens: int):
-    router = LocalRouter(engine, proposer, policy, gamma)
+    router = InProcessRouter(engine, proposer, policy, gamma)
     reqs = [GenerationRequest(f"p{i}", p, SamplingParams(max_tokens=tokens)) for i, p in enumerate(ids)]
     if engine.model.device.type == "cuda":
         torch.cuda.synchronize()

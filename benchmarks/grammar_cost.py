@@ -15,7 +15,7 @@ import time
 import torch
 
 from benchmarks.engine_speed import cpu_model
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from services.loader import load_model
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
@@ -46,12 +46,12 @@ def run(model, tok, batch: int, tokens: int, grammar: Grammar | None) -> dict:
 
     reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=tokens, grammar=grammar)) for i, p in
             enumerate(prompts)]
-    LocalRouter(engine).generate(reqs[:1])  # warm
+    InProcessRouter(engine).generate(reqs[:1])  # warm
     spent[0] = 0.0
     engine_module.grammar_masks = timed
     try:
         t0 = time.perf_counter()  # the same engine as the warm-up: its grammar tokenizer is built (a start-up cost)
-        out = LocalRouter(engine).generate(
+        out = InProcessRouter(engine).generate(
             [GenerationRequest(f"s{r.request_id}", r.prompt_ids, r.params) for r in reqs])
         wall = time.perf_counter() - t0
     finally:

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from benchmarks.engine_speed import cpu_model
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from services.loader import load_model
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
@@ -39,7 +39,7 @@ def main() -> None:
     engine = Engine(load_model(model_dir, "float32"), EngineConfig(num_slots=16, max_len=1024))
     reqs = [GenerationRequest(f"p{i}", ids, SamplingParams(max_tokens=args.tokens))
             for i, (_, ids) in enumerate(prompts)]
-    ours = [r.token_ids for r in LocalRouter(engine).generate(reqs)]
+    ours = [r.token_ids for r in InProcessRouter(engine).generate(reqs)]
     ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     diverged = []
     for (domain, ids), got in zip(prompts, ours, strict=True):

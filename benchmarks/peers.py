@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.engine_speed import cpu_model
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from services.loader import load_model, native_bf16
 from services.registry import resolve_model
 from services.types import SamplingParams
@@ -164,7 +164,7 @@ def dspark_tps(engine: Engine, batch: int, tokens: int, vocab: int) -> float:
     reqs = [GenerationRequest(f"r{i}", torch.randint(3, vocab, (32,), generator=g).tolist(),
                               SamplingParams(max_tokens=tokens)) for i in range(batch)]
     started = time.perf_counter()
-    results = LocalRouter(engine).generate(reqs)
+    results = InProcessRouter(engine).generate(reqs)
     return sum(len(r.token_ids) for r in results) / (time.perf_counter() - started)
 
 
@@ -273,7 +273,7 @@ def gguf_checks(model, model_dir: Path, bench: Path, files: dict[str, Path], thr
     engine = Engine(model, EngineConfig(num_slots=8, max_len=1024))
     reqs = [GenerationRequest(f"a{i}", tok.encode(p), SamplingParams(max_tokens=tokens))
             for i, p in enumerate(AGREEMENT_PROMPTS)]
-    greedy = [r.token_ids for r in LocalRouter(engine).generate(reqs)]
+    greedy = [r.token_ids for r in InProcessRouter(engine).generate(reqs)]
     agree = {name: [agreement(tok, ids, llama_greedy_text(bench, g, prompt, tokens))
                     for prompt, ids in zip(AGREEMENT_PROMPTS, greedy, strict=True)] for name, g in files.items()}
     for name, counts in agree.items():

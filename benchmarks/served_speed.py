@@ -1,7 +1,7 @@
 """Served against in-process: what the HTTP → router → gRPC → verifier path keeps of the engine's speed.
 
 One run, alternating rounds, batch 1, greedy, the shipped target, the same prompts and token counts:
-  in-process — `LocalRouter` over an `Engine` in this process (what `dspark generate` does);
+  in-process — `InProcessRouter` over an `Engine` in this process (what `dspark generate` does);
   served     — a verifier process and a router process (`python -m cli.main verifier|router`, the processes
                `dspark serve` runs as Ray actors and its main process), an OpenAI streaming client here
                (httpx, SSE), one request at a time.
@@ -27,7 +27,7 @@ from benchmarks.engine_speed import cpu_model
 from cluster.launcher import start_tiers
 from drafter_worker.main import drafter_service
 from drafter_worker.settings import DrafterSettings
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from router.settings import RouterSettings
 from services.registry import resolve_model
@@ -45,7 +45,7 @@ def in_process(args, policy: Policy) -> list[float]:
     verifier = verifier_service(VerifierSettings(model=args.model, threads=args.threads, num_slots=1, max_len=512))
     drafter = None if policy is Policy.NONE else drafter_service(
         DrafterSettings(model=args.model, drafters=[f"{args.model}-dspark"])).proposers["dspark"]
-    router = LocalRouter(verifier.engine, drafter, policy, 7)
+    router = InProcessRouter(verifier.engine, drafter, policy, 7)
     tok = TextTokenizer.from_dir(resolve_model(args.model))
     speeds = []
     for i, prompt in enumerate(PROMPTS):

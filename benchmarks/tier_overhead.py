@@ -2,7 +2,7 @@
 
 The same greedy workload (shipped target + shipped DSpark drafter, γ = 7, fixed policy; fp32 unless `--dtype`) runs
 three ways in one run, at each concurrency c:
-  in-process  — `LocalRouter`: one synchronous loop over the engine and the drafter (no asyncio, no RPC);
+  in-process  — `InProcessRouter`: one synchronous loop over the engine and the drafter (no asyncio, no RPC);
   async-local — the tiered router and the async tier cores in this process (asyncio, no RPC);
   tiered      — verifier and drafter in their own processes, the router here, real loopback gRPC.
 Per-cycle time = wall time / cycles of one request (the c requests run their cycles side by side).
@@ -35,7 +35,7 @@ from drafter_worker.drafter import Drafter
 from drafter_worker.main import drafter_service
 from drafter_worker.service import LocalDrafter
 from drafter_worker.settings import DrafterSettings
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.router import Router, RouterConfig
 from router.scheduling.policy import Policy
 from router.session import RouterRequest, Speculation
@@ -70,7 +70,7 @@ def in_process(tok, c: int, max_tokens: int) -> tuple[float, int, float]:
     verifier = verifier_service(v)
     drafter: Drafter = drafter_service(d).proposers["dspark"]
     engine = verifier.engine
-    router = LocalRouter(engine, drafter, Policy.FIXED, 7)
+    router = InProcessRouter(engine, drafter, Policy.FIXED, 7)
     reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=max_tokens), ()) for i, p in enumerate(
         prompts(tok, c))]
     router.generate(reqs)  # warm-up

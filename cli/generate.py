@@ -13,7 +13,7 @@ from rich.console import Console
 from drafter_worker.checkpoint import drafter_config, load_drafter
 from drafter_worker.drafter import Drafter
 from drafter_worker.ngram import NgramProposer
-from router.offline import GenerationRequest, GenerationResult, LocalRouter
+from in_process.generation import GenerationRequest, GenerationResult, InProcessRouter
 from router.scheduling.policy import Policy
 from services.chat_template import render
 from services.errors import InvalidRequestError
@@ -76,7 +76,7 @@ def run_generate(args: argparse.Namespace) -> int:
     elif args.method == "ngram":
         proposer = NgramProposer()
     engine = Engine(model, EngineConfig(num_slots=args.max_batch, max_len=args.max_len, compile=args.compile))
-    router = LocalRouter(engine, proposer, policy, args.gamma)
+    router = InProcessRouter(engine, proposer, policy, args.gamma)
     requests = [
         GenerationRequest(
             request_id=f"prompt-{i}",

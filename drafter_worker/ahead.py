@@ -85,9 +85,10 @@ class RunAhead:
 
     def speculation(self, sent: dict[str, tuple[list[int], DraftBlock]], gamma: int,
                     params: dict[str, SamplingParams] | None = None, chunk: int | None = 2) -> Iterator[None]:
-        """`speculate` in pieces of `chunk` pre-drafted blocks, each request's likeliest outcomes first; every
-        piece is cached as it is done, so a caller that stops iterating (real drafting work came in) keeps what
-        was drafted so far."""
+        """`speculate` in pieces of `chunk` pre-drafted blocks per request, each request's likeliest outcomes
+        first; every piece is cached as it is done, so a caller that stops iterating (real drafting work came in)
+        keeps what was drafted so far. A piece spans every request (one batched drafter call): pieces of a fixed
+        size left all but the first few of a large batch without a single block in the window."""
         params = params or {}
         work = {}
         for rid, (tokens, block) in sent.items():
@@ -98,7 +99,7 @@ class RunAhead:
                 work[rid] = (tokens, list(block.tokens), survival, params.get(rid, SamplingParams()))
                 self.cache.store(rid, Predrafted(len(tokens), list(block.tokens), {}))
                 self.drafter.steered.add(rid)  # it drafts ahead: its drafts from now on are steered
-        for piece in predraft(self.drafter, work, gamma, self.budget, chunk):
+        for piece in predraft(self.drafter, work, gamma, self.budget, chunk and chunk * len(work)):
             for rid, blocks in piece.items():
                 self.cache.add(rid, blocks)
             yield

@@ -70,9 +70,10 @@ class DrafterService(TierLoop):
 
     def __init__(self, proposers: dict[str, Proposer], block_sizes: dict[str, int], batch_window_s: float = 0.005,
                  limits: DraftLimits | None = None, lease_s: float = 60.0, fallback_queue: int = 0,
-                 grammar_dir: Path | None = None):
+                 grammar_dir: Path | None = None, grammar: GrammarTokenizer | None = None):
         """`grammar_dir`: the target's model directory (its tokenizer.json): requests with a grammar draft under
-        it (drafter_worker/constrained.py); None: they draft unconstrained."""
+        it (drafter_worker/constrained.py); `grammar`: the same vocabulary already loaded (in process, the
+        engine's); neither: they draft unconstrained."""
         if not proposers:
             raise ValueError("a drafter replica needs at least one proposer")
         super().__init__(lease_s, batch_window_s)
@@ -85,7 +86,7 @@ class DrafterService(TierLoop):
         self.window = AheadWindow()  # the budget of drafting ahead, sized to the verify window
         self.fallback_queue = fallback_queue  # > 0: a cache miss with this many drafts waiting gets no drafts
         self.fallbacks = 0
-        self.grammar_dir, self._grammar = grammar_dir, None
+        self.grammar_dir, self._grammar = grammar_dir, grammar
 
     def _on_stop(self, reason: BaseException) -> None:
         for item in self._queue:
@@ -105,7 +106,7 @@ class DrafterService(TierLoop):
             raise InvalidRequestError("context is empty")
         self._check_length(len(context_ids))
         rows = 0 if features is None else len(features)
-        if rows != len(context_ids) - 1:
+        if rows != len(context_ids) - 1 and not self._featureless(rows):
             raise InvalidRequestError(f"{len(context_ids)} context tokens need {len(context_ids) - 1} feature rows, "
                                       f"got {rows}")
         async with self._lock:
@@ -120,7 +121,8 @@ class DrafterService(TierLoop):
         """Hand the request's grammar to a proposer that drafts under one, when the call says where the output
         starts; a grammar it cannot follow leaves the drafts unconstrained (still lossless: the verifier masks)."""
         constrain = getattr(proposer, "constrain", None)
-        if call.params.grammar is None or constrain is None or self.grammar_dir is None or not call.output_start:
+        if (call.params.grammar is None or constrain is None or not call.output_start
+                or (self.grammar_dir is None and self._grammar is None)):
             return
         try:
             if self._grammar is None:
@@ -209,6 +211,10 @@ class DrafterService(TierLoop):
         if self.limits.positions is not None and tokens > self.limits.positions:
             raise InvalidRequestError(f"context of {tokens} tokens; the drafters hold {self.limits.positions}")
 
+    def _featureless(self, rows: int) -> bool:
+        """No features sent to proposers that read none (n-gram, test fakes: no draft model, so no feature width)."""
+        return rows == 0 and self.limits.feature_width is None
+
     def _room(self, tokens: int, gamma: int) -> int:
         """γ cut so that every drafted position stays inside the position table (a shorter block is allowed)."""
         return gamma if self.limits.positions is None else min(gamma, self.limits.positions - tokens + 1)
@@ -218,7 +224,8 @@ class DrafterService(TierLoop):
         rows = 0 if features is None else len(features)
         if rows and feature_start != session.features:
             raise InvalidRequestError(f"features start at {feature_start}, the context has {session.features}")
-        if session.features + rows != len(session.tokens) + len(new_ids) - 1:
+        if (session.features + rows != len(session.tokens) + len(new_ids) - 1
+                and not (self._featureless(rows) and session.features == 0)):  # once sent, always sent
             raise InvalidRequestError(f"after this delta {len(session.tokens) + len(new_ids)} tokens would have "
                                       f"{session.features + rows} feature rows; every position before the anchor "
                                       "needs one")

@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from opentelemetry import trace
@@ -31,7 +32,7 @@ from services.calls import PrefillCall, VerifyCall
 from services.errors import CapacityError, InvalidRequestError, StaleCycleError, TierUnavailableError
 from services.tokenizer import TextTokenizer
 from services.tracing import current_traceparent
-from services.types import DraftBlock, PlainRun, Prefilled, Verified
+from services.types import DraftBlock, PlainRun, Prefilled, StepOutput, Verified
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +52,24 @@ class RouterConfig:
     plain_handoff: bool = True
 
 
+class RouterObserver(Protocol):
+    """What a caller in process learns of each request beyond its chunks (`in_process/`: τ, acceptance per
+    position, calibration records, the request's own time)."""
+
+    def running(self, request_id: str) -> None:
+        """The request took a running slot: its queueing ends, its prefill starts."""
+
+    def verified(self, request_id: str, block: DraftBlock | None, output: StepOutput) -> None:
+        """A cycle came back: the block sent (its first ℓ drafts, or None) and the verifier's outcome."""
+
+
 class Router:
     def __init__(self, verifier: VerifierTier, drafter: DrafterTier | None, methods: set[str],
                  config: RouterConfig | None = None, tokenizer: TextTokenizer | None = None,
                  tracer: trace.Tracer | None = None, metrics: RouterMetrics | None = None, model: str = "",
-                 planner: VerifyPlanner | None = None):
+                 planner: VerifyPlanner | None = None, observer: RouterObserver | None = None):
         self.verifier, self.drafter, self.methods = verifier, drafter, methods if drafter else set()
+        self.observer = observer
         self.config = config or RouterConfig()
         self.tokenizer, self.model = tokenizer, model
         self.tracer = tracer or trace.NoOpTracer()
@@ -130,6 +143,8 @@ class Router:
             self.metrics.waiting.labels(self.model).dec()
         self.running += 1
         self.metrics.running.labels(self.model).inc()
+        if self.observer is not None:
+            self.observer.running(request.request_id)
         text = TextStream(self.tokenizer, request.stop, request.include_stop, request.skip_special,
                           request.params.min_tokens)
         session = Session(request, spec, text)
@@ -187,6 +202,8 @@ class Router:
                 sent = time.perf_counter()
                 done = await self._verify(s, block, self._handoff(s, block))
                 out = done.output
+                if self.observer is not None:
+                    self.observer.verified(s.request.request_id, block, out)
                 vspan.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted})
             if ahead is not None:
                 await ahead

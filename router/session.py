@@ -173,7 +173,7 @@ class Session:
         return finish_reason(self.output, self.params.max_tokens, self.request.stop_token_ids, self.text.stopped)
 
 
-# The commit and finish rules of a request, shared by both routers (this one and `router/offline.py`).
+# The commit and finish rules of a request.
 def keep(emitted: list[int], output: list[int], max_tokens: int, stop_token_ids: tuple[int, ...]) -> list[int]:
     """The prefix of a cycle's emitted tokens a request keeps: none past max_tokens, none after a stop token."""
     take: list[int] = []

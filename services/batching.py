@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -60,3 +60,16 @@ def compute_thread() -> ThreadPoolExecutor:
     """
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="dspark-compute",
                               initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
+
+
+class InlineExecutor(Executor):
+    """Runs each job at once on the calling thread: a tier in the caller's process (`in_process/`) steps its model
+    on the caller's thread, so an in-process run pays no thread hop a step and keeps the caller's OpenMP team."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as error:  # handed to the awaiting coroutine, as a pool thread would
+            future.set_exception(error)
+        return future

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import Any
 
 from services.batching import StepTimer, compute_thread, gather_window
@@ -33,7 +33,7 @@ class TierLoop:
         self.timer, self.stopping = StepTimer(), False
 
     # ---- lifecycle ----------------------------------------------------------------------------
-    async def start(self, compute: ThreadPoolExecutor | None = None) -> None:
+    async def start(self, compute: Executor | None = None) -> None:
         """`compute`: the thread that already ran this tier's model (loading, warm-up, profile), so that its steps
         run there too (see `services.batching.compute_thread`); None: a new one."""
         self._compute = compute or compute_thread()

@@ -64,7 +64,7 @@ def context(seed: int = 5) -> tuple[torch.Tensor, list[int]]:
 def assert_greedy_is_plain(target: CausalLM, draft_model, gamma: int) -> None:
     """Greedy speculative decoding with this drafter gives plain greedy's tokens, and drafts were verified."""
     from drafter_worker.drafter import Drafter
-    from router.offline import GenerationRequest, LocalRouter
+    from in_process.generation import GenerationRequest, InProcessRouter
     from router.scheduling.policy import Policy
     from services.types import SamplingParams
     from tests.conftest import make_engine
@@ -72,6 +72,6 @@ def assert_greedy_is_plain(target: CausalLM, draft_model, gamma: int) -> None:
     g = torch.Generator().manual_seed(9)
     requests = [GenerationRequest(f"r{i}", torch.randint(4, 300, (n,), generator=g).tolist(),
                                   SamplingParams(max_tokens=16)) for i, n in enumerate((5, 12))]
-    plain = LocalRouter(make_engine(target), policy=Policy.NONE).generate(requests)
-    spec = LocalRouter(make_engine(target), Drafter(draft_model), Policy.FIXED, gamma).generate(requests)
+    plain = InProcessRouter(make_engine(target), policy=Policy.NONE).generate(requests)
+    spec = InProcessRouter(make_engine(target), Drafter(draft_model), Policy.FIXED, gamma).generate(requests)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain] and sum(r.draft_tokens for r in spec) > 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.compiled_step import CompiledStep
 from services.layers import RaggedLayout
@@ -35,7 +35,7 @@ def compiled_plain(bf16_model):
     engine = make_engine(bf16_model, compile=True, num_slots=3, max_batch_tokens=10)
     graphs = counters["stats"]["unique_graphs"]
     assert graphs == before + 1  # the warm-up compiled the one graph (and the counter counts)
-    results = LocalRouter(engine, policy=Policy.NONE).generate(_requests())
+    results = InProcessRouter(engine, policy=Policy.NONE).generate(_requests())
     return results, counters["stats"]["unique_graphs"] - graphs
 
 
@@ -51,7 +51,7 @@ def test_compiled_bf16_speculation_is_bit_exact(bf16_model, compiled_plain):
     base, _ = compiled_plain
     answers = {r.request_id: r.prompt_ids + r.token_ids for r in base}
     engine = make_engine(bf16_model, compile=True, num_slots=3, max_batch_tokens=10)
-    spec = LocalRouter(engine, OracleProposer(answers, VOCAB), Policy.FIXED, 5).generate(_requests())
+    spec = InProcessRouter(engine, OracleProposer(answers, VOCAB), Policy.FIXED, 5).generate(_requests())
     assert [r.token_ids for r in spec] == [r.token_ids for r in base]
     assert sum(r.accepted_tokens for r in spec) > 0
 

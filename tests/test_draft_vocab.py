@@ -49,7 +49,7 @@ METHODS = [("mtp", "markov"), ("eagle3", "markov"), ("dflash", "markov"), ("dspa
 
 
 def _reduced_setup():
-    from router.offline import GenerationRequest, LocalRouter
+    from in_process.generation import GenerationRequest, InProcessRouter
     from router.scheduling.policy import Policy
     from services.types import SamplingParams
     from tests.conftest import VOCAB, make_engine, make_model, random_prompts
@@ -57,7 +57,7 @@ def _reduced_setup():
     target = make_model(layers=3, taps=(0, 1, 2))
     reqs = [GenerationRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=28)) for i, p in
             enumerate(random_prompts(4))]
-    plain = LocalRouter(make_engine(target), policy=Policy.NONE).generate(reqs)
+    plain = InProcessRouter(make_engine(target), policy=Policy.NONE).generate(reqs)
     # the draft vocabulary: the target's own most frequent output tokens, fewer than it uses (some stay outside)
     emitted = torch.tensor([t for r in plain for t in r.token_ids])
     counts = torch.bincount(emitted, minlength=VOCAB).double() + torch.rand(VOCAB) * 0.1
@@ -81,7 +81,7 @@ def _reduced_drafter(target, d2t, method, head):
 
 def test_every_method_drafts_inside_its_vocabulary_and_stays_plain_greedy():
     from drafter_worker.drafter import Drafter
-    from router.offline import LocalRouter
+    from in_process.generation import InProcessRouter
     from router.scheduling.policy import Policy
     from tests.conftest import make_engine
 
@@ -105,7 +105,7 @@ def test_every_method_drafts_inside_its_vocabulary_and_stays_plain_greedy():
         spy = Spy(model)
         spy.drafted = []
         engine = make_engine(target, num_slots=3, max_batch_tokens=10)
-        spec = LocalRouter(engine, spy, Policy.FIXED, 1 if method == "mtp" else 4).generate(reqs)
+        spec = InProcessRouter(engine, spy, Policy.FIXED, 1 if method == "mtp" else 4).generate(reqs)
         drafted = spy.drafted
         assert [s.token_ids for s in spec] == [p.token_ids for p in plain], f"{method}/{head} diverged"
         assert drafted and set(drafted) <= hot, f"{method}/{head} drafted outside its vocabulary"

@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 
 from drafter_worker.checkpoint import drafter_config, load_drafter
 from drafter_worker.drafter import Drafter
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.errors import ModelLoadError
 from services.model import CausalLM
@@ -214,7 +214,7 @@ def test_sampling_with_a_reduced_vocabulary_head_keeps_the_target_distribution(t
     params, prompt, n = {"temperature": 0.9, "top_k": 6}, [5, 17, 42], 2000
     engine = make_engine(target, num_slots=64, max_len=16, max_batch_tokens=512, max_waiting=4096)
     requests = [GenerationRequest(f"r{i}", prompt, SamplingParams(max_tokens=3, seed=i, **params)) for i in range(n)]
-    results = LocalRouter(engine, Drafter(model, seed=1), Policy.FIXED, 2).generate(requests)
+    results = InProcessRouter(engine, Drafter(model, seed=1), Policy.FIXED, 2).generate(requests)
     assert sum(r.draft_tokens - r.accepted_tokens for r in results) > 0  # the residual path ran
 
     @torch.no_grad()

@@ -10,7 +10,7 @@ import torch
 from drafter_worker.checkpoint import build_draft_model
 from drafter_worker.config import DrafterConfig, HeadType, Method, default_config
 from drafter_worker.drafter import Drafter
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.types import SamplingParams
 from tests.conftest import VOCAB, make_engine, make_model, random_prompts
@@ -43,7 +43,7 @@ def requests(max_tokens: int = 30, temperature: float = 0.0) -> list[GenerationR
 
 @pytest.fixture(scope="module")
 def plain(target):
-    return LocalRouter(make_engine(target), policy=Policy.NONE).generate(requests())
+    return InProcessRouter(make_engine(target), policy=Policy.NONE).generate(requests())
 
 
 METHODS = [("mtp", "markov"), ("eagle3", "markov"), ("dflash", "markov"), ("dspark", "markov"),
@@ -56,7 +56,7 @@ def test_greedy_through_engine_equals_plain(target, plain, method, head):
     # 3 slots for 5 requests of different lengths, prompts chunked: batched drafting of unequal contexts.
     engine = make_engine(target, num_slots=3, max_batch_tokens=10)
     gamma = 1 if method == "mtp" else 4
-    spec = LocalRouter(engine, drafter, Policy.FIXED, gamma).generate(requests())
+    spec = InProcessRouter(engine, drafter, Policy.FIXED, gamma).generate(requests())
     for s, p in zip(spec, plain, strict=True):
         assert s.token_ids == p.token_ids, f"{method}/{head} diverged on {s.request_id}"
     assert sum(r.draft_tokens for r in spec) > 0
@@ -81,7 +81,7 @@ def test_sampled_drafts_come_with_their_q(target):
             drafter.release(rid)
 
     spy = Spy.__new__(Spy)
-    LocalRouter(engine, spy, Policy.FIXED, 3).generate(requests(12, temperature=1.0))
+    InProcessRouter(engine, spy, Policy.FIXED, 3).generate(requests(12, temperature=1.0))
     sampled = [b for b in blocks if len(b)]
     assert sampled
     for block in sampled:
@@ -186,7 +186,7 @@ def test_compiled_greedy_blocks_draft_what_eager_drafts(target, plain):
     for compile_ in (False, True):
         model = draft_model(target, "dspark", "rnn")
         engine = make_engine(target, num_slots=3, max_batch_tokens=10)
-        runs.append(LocalRouter(engine, Drafter(model, compile=compile_), Policy.FIXED, 4).generate(requests()[:3]))
+        runs.append(InProcessRouter(engine, Drafter(model, compile=compile_), Policy.FIXED, 4).generate(requests()[:3]))
     eager, compiled = runs
     assert [r.token_ids for r in compiled] == [r.token_ids for r in plain[:3]]
     assert [(r.cycles, r.accepted_tokens) for r in compiled] == [(r.cycles, r.accepted_tokens) for r in eager]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.errors import CapacityError, InvalidRequestError
 from services.layers import RaggedLayout
@@ -32,7 +32,7 @@ def test_incremental_decoding_equals_full_recompute(tiny_model):
 
 def test_greedy_engine_output_is_argmax_of_full_forward(tiny_model):
     prompt = random_prompts(2)[1]
-    result = LocalRouter(make_engine(tiny_model), policy=Policy.NONE).generate(
+    result = InProcessRouter(make_engine(tiny_model), policy=Policy.NONE).generate(
         [GenerationRequest("a", prompt, SamplingParams(max_tokens=20))])[0]
     logits = full_forward(tiny_model, prompt + result.token_ids).logits
     assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == result.token_ids
@@ -137,7 +137,7 @@ def test_verify_length_is_cut_to_the_slot(tiny_model):
 def test_seeded_sampling_is_reproducible(tiny_model):
     reqs = [GenerationRequest(f"s{i}", p, SamplingParams(max_tokens=16, temperature=1.0, top_k=20, seed=11))
             for i, p in enumerate(random_prompts(3))]
-    runs = [LocalRouter(make_engine(tiny_model), policy=Policy.NONE).generate(reqs) for _ in range(2)]
+    runs = [InProcessRouter(make_engine(tiny_model), policy=Policy.NONE).generate(reqs) for _ in range(2)]
     assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
     assert len({tuple(r.token_ids) for r in runs[0]}) == 3
 
@@ -167,7 +167,7 @@ def test_a_request_that_waits_for_a_slot_reports_its_wait_apart_from_its_speed(t
     its queued_s, not part of the elapsed_s its tokens_per_s is measured over."""
     params = SamplingParams(max_tokens=12)
     reqs = [GenerationRequest(f"r{i}", p, params) for i, p in enumerate(random_prompts(2))]
-    first, second = LocalRouter(make_engine(tiny_model, num_slots=1), policy=Policy.NONE).generate(reqs)
+    first, second = InProcessRouter(make_engine(tiny_model, num_slots=1), policy=Policy.NONE).generate(reqs)
     assert second.queued_s >= first.elapsed_s > 0
     assert first.queued_s < second.queued_s
     assert second.tokens_per_s == len(second.token_ids) / second.elapsed_s
@@ -182,9 +182,9 @@ def test_generation_past_1024_positions_is_exact_plain_and_speculative(tiny_mode
     prompt = torch.randint(1, VOCAB, (1010,), generator=g).tolist()
     req = [GenerationRequest("long", prompt, SamplingParams(max_tokens=40))]
     kw = {"num_slots": 1, "max_len": 1100, "max_batch_tokens": 256}
-    plain = LocalRouter(make_engine(tiny_model, **kw), policy=Policy.NONE).generate(req)[0]
+    plain = InProcessRouter(make_engine(tiny_model, **kw), policy=Policy.NONE).generate(req)[0]
     assert len(prompt) + len(plain.token_ids) > 1024
     logits = full_forward(tiny_model, prompt + plain.token_ids).logits
     assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == plain.token_ids
-    spec = LocalRouter(make_engine(tiny_model, **kw), NgramProposer(), Policy.FIXED, 4).generate(req)[0]
+    spec = InProcessRouter(make_engine(tiny_model, **kw), NgramProposer(), Policy.FIXED, 4).generate(req)[0]
     assert spec.token_ids == plain.token_ids and spec.cycles < len(plain.token_ids)

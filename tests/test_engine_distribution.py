@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.sampling import logits_to_probs
 from services.types import SamplingParams
@@ -48,7 +48,7 @@ def test_speculative_sampling_through_engine_matches_target():
     n = 2500
     requests = [GenerationRequest(f"r{i}", PROMPT, SamplingParams(max_tokens=3, seed=i, **PARAMS))
                 for i in range(n)]
-    router = LocalRouter(make_engine(model, num_slots=64, max_len=16, max_batch_tokens=512, max_waiting=4096),
+    router = InProcessRouter(make_engine(model, num_slots=64, max_len=16, max_batch_tokens=512, max_waiting=4096),
                          FixedDistributionProposer([8, 9, 2, 5], [0.5, 0.3, 0.15, 0.05]), Policy.FIXED, gamma=3)
     results = router.generate(requests)
     assert sum(r.accepted_tokens for r in results) > 0

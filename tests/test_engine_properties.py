@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.types import DraftBlock, SamplingParams
 from tests.conftest import VOCAB, make_engine
@@ -23,7 +23,7 @@ def reference(tiny_model):
         key = (*prompt, -max_tokens)
         if key not in cache:
             req = GenerationRequest("ref", prompt, SamplingParams(max_tokens=max_tokens))
-            cache[key] = LocalRouter(make_engine(tiny_model), policy=Policy.NONE).generate([req])[0].token_ids
+            cache[key] = InProcessRouter(make_engine(tiny_model), policy=Policy.NONE).generate([req])[0].token_ids
         return cache[key]
 
     return plain

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from router.offline import GenerationResult
+from in_process.generation import GenerationResult
 from services.types import DraftBlock, FinishReason, OutcomeKind, StepOutput
 from training.eval.evaluate import CycleLog, EvalRun
 

@@ -12,7 +12,7 @@ import torch
 
 from drafter_worker.checkpoint import drafter_config, load_drafter
 from drafter_worker.drafter import Drafter
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.loader import load_model
 from services.registry import resolve_model
@@ -46,8 +46,8 @@ def _generate(model, prompts, params, proposer=None, observer=None, gamma=7):
     engine = make_engine(model, num_slots=min(64, len(prompts)), max_len=160, max_batch_tokens=1024,
                          max_waiting=4096)
     requests = [GenerationRequest(f"r{i}", p, SamplingParams(**params, seed=i)) for i, p in enumerate(prompts)]
-    router = (LocalRouter(engine, proposer, Policy.FIXED, gamma, observer=observer) if proposer
-              else LocalRouter(engine))
+    router = (InProcessRouter(engine, proposer, Policy.FIXED, gamma, observer=observer) if proposer
+              else InProcessRouter(engine))
     return router.generate(requests)
 
 

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from drafter_worker.ngram import NgramProposer
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.loader import load_model
 from services.model_config import ModelConfig
@@ -47,7 +47,7 @@ def fp32(model_dir):
 def _greedy(model, prompts: list[list[int]], proposer=None) -> list[list[int]]:
     engine = make_engine(model, num_slots=4, max_len=128, max_batch_tokens=64)
     requests = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=TOKENS)) for i, p in enumerate(prompts)]
-    router = LocalRouter(engine, proposer, Policy.FIXED, 5) if proposer else LocalRouter(engine)
+    router = InProcessRouter(engine, proposer, Policy.FIXED, 5) if proposer else InProcessRouter(engine)
     return [r.token_ids for r in router.generate(requests)]
 
 

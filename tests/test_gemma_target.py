@@ -11,7 +11,7 @@ import transformers
 from torch._dynamo.utils import counters
 
 from drafter_worker.ngram import NgramProposer
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.attention import AttentionPlan, attend, attend_per_request
 from services.compiled_step import CompiledStep
@@ -153,7 +153,7 @@ def _requests(max_tokens: int = 24) -> list[GenerationRequest]:
 def plain(gemma):
     _, _, ours = gemma
     engine = make_engine(ours, num_slots=2, max_len=64, max_batch_tokens=7)  # prompts arrive in chunks
-    return LocalRouter(engine, policy=Policy.NONE).generate(_requests())
+    return InProcessRouter(engine, policy=Policy.NONE).generate(_requests())
 
 
 def test_engine_greedy_equals_transformers_generate(gemma, plain):
@@ -171,7 +171,7 @@ def test_speculative_greedy_equals_plain(gemma, plain, drafter):
     _, _, ours = gemma
     proposer = NgramProposer() if drafter == "ngram" else RandomProposer(VOCAB)
     engine = make_engine(ours, num_slots=2, max_len=64, max_batch_tokens=7)
-    spec = LocalRouter(engine, proposer, Policy.FIXED, 4).generate(_requests())
+    spec = InProcessRouter(engine, proposer, Policy.FIXED, 4).generate(_requests())
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     assert sum(r.draft_tokens for r in spec) > 0
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.settings import RouterSettings
 from services.chat_template import render
 from services.loader import load_model
@@ -40,7 +40,7 @@ def plain(tokenizer):
 
     def run(prompt_ids: list[int], **params):
         req = GenerationRequest("p", prompt_ids, SamplingParams(**params), stop_token_ids=tokenizer.eos_token_ids)
-        return LocalRouter(engine).generate([req])[0]
+        return InProcessRouter(engine).generate([req])[0]
     return run
 
 

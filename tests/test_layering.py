@@ -1,6 +1,7 @@
 """The package layering: every import (lazy ones too) points down this graph, and no package loops.
 
-    cli  →  benchmarks  →  training, cluster  →  router, verifier_worker, drafter_worker  →  protos  →  services
+    cli  →  benchmarks  →  training, cluster  →  in_process  →  router, verifier_worker, drafter_worker  →  protos
+         →  services
 
 A package may import itself and any package listed for it below; nothing else of the project. `cluster/` is
 the only package that imports Ray; the router reaches the tiers only through `services/` (types) and
@@ -22,10 +23,13 @@ ALLOWED: dict[str, set[str]] = {
     "verifier_worker": {"protos", "services"},
     "drafter_worker": {"protos", "services"},
     "router": {"protos", "services"},
-    "training": {"router", "verifier_worker", "drafter_worker", "protos", "services"},
+    "in_process": {"router", "verifier_worker", "drafter_worker", "protos", "services"},
+    "training": {"in_process", "router", "verifier_worker", "drafter_worker", "protos", "services"},
     "cluster": {"router", "verifier_worker", "drafter_worker", "protos", "services"},
-    "benchmarks": {"training", "cluster", "router", "verifier_worker", "drafter_worker", "protos", "services"},
-    "cli": {"benchmarks", "training", "cluster", "router", "verifier_worker", "drafter_worker", "protos", "services"},
+    "benchmarks": {"in_process", "training", "cluster", "router", "verifier_worker", "drafter_worker", "protos",
+                   "services"},
+    "cli": {"benchmarks", "in_process", "training", "cluster", "router", "verifier_worker", "drafter_worker", "protos",
+            "services"},
 }
 RAY_PACKAGES = {"cluster", "benchmarks", "cli"}  # benchmarks and cli drive a cluster; no tier or router does
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.types import SamplingParams
 from tests.conftest import VOCAB, full_forward, make_engine, random_prompts
@@ -35,10 +35,10 @@ def _requests(params: SamplingParams) -> list[GenerationRequest]:
 def test_output_logprobs_equal_a_dense_forward(tiny_model, temperature, drafter, gamma):
     params = SamplingParams(temperature=temperature, seed=3, max_tokens=16, logprobs=5)
     reqs = _requests(params)
-    plain = LocalRouter(make_engine(tiny_model), policy=Policy.NONE).generate(reqs)
+    plain = InProcessRouter(make_engine(tiny_model), policy=Policy.NONE).generate(reqs)
     proposer = {"none": None, "random": RandomProposer(VOCAB),
                 "oracle": OracleProposer({r.request_id: r.prompt_ids + r.token_ids for r in plain}, VOCAB)}[drafter]
-    router = LocalRouter(make_engine(tiny_model, num_slots=2), proposer,
+    router = InProcessRouter(make_engine(tiny_model, num_slots=2), proposer,
                          Policy.NONE if proposer is None else Policy.FIXED, gamma)
     for r in router.generate(reqs):
         _check_against_dense(tiny_model, r.prompt_ids, r.token_ids, r.logprobs, 5, len(r.prompt_ids))
@@ -50,7 +50,7 @@ def test_prompt_logprobs_across_prefill_chunks(tiny_model):
     # a 7-token prefill budget: every prompt arrives in several chunks
     prompts = [p * 3 for p in random_prompts(3)]  # 9 tokens and more
     reqs = [GenerationRequest(f"r{i}", p, params) for i, p in enumerate(prompts)]
-    results = LocalRouter(make_engine(tiny_model, max_batch_tokens=7)).generate(reqs)
+    results = InProcessRouter(make_engine(tiny_model, max_batch_tokens=7)).generate(reqs)
     for r in results:
         assert len(r.prompt_ids) > 7
         _check_against_dense(tiny_model, r.prompt_ids, [], r.prompt_logprobs, 3, 1)
@@ -58,8 +58,8 @@ def test_prompt_logprobs_across_prefill_chunks(tiny_model):
 
 
 def test_logprobs_do_not_change_the_output(tiny_model):
-    base = LocalRouter(make_engine(tiny_model)).generate(_requests(SamplingParams(temperature=1.0, seed=5)))
-    asked = LocalRouter(make_engine(tiny_model)).generate(
+    base = InProcessRouter(make_engine(tiny_model)).generate(_requests(SamplingParams(temperature=1.0, seed=5)))
+    asked = InProcessRouter(make_engine(tiny_model)).generate(
         _requests(SamplingParams(temperature=1.0, seed=5, logprobs=20, prompt_logprobs=20)))
     assert [r.token_ids for r in asked] == [r.token_ids for r in base]
     assert all(r.logprobs is None for r in base)

@@ -22,7 +22,7 @@ import redis
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from services.loader import load_model
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
@@ -125,7 +125,7 @@ def _stop(hosts: Hosts, serve: subprocess.Popen, names: list[str]) -> None:
 
 def test_served_across_three_hosts_with_pools_placed_by_resources(tmp_path):
     tok = TextTokenizer.from_dir(resolve_model(MODEL))
-    plain = LocalRouter(make_engine(load_model(resolve_model(MODEL), "float32"), max_len=256)).generate(
+    plain = InProcessRouter(make_engine(load_model(resolve_model(MODEL), "float32"), max_len=256)).generate(
         [GenerationRequest("p", tok.encode(PROMPT), SamplingParams(max_tokens=24))])[0].token_ids
     with Hosts(["a", "b", "c"]) as hosts:
         head = hosts.address["a"]

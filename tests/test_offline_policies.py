@@ -1,4 +1,4 @@
-"""The in-process router's scheduled policies (router/offline.py): threshold and dspark trim blocks through the
+"""The in-process router's scheduled policies (in_process/generation.py): threshold and dspark trim blocks through the
 same planner as the served router, stay lossless, and dspark verifies fewer drafts when the SPS profile says
 verifying costs more."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from drafter_worker.drafter import Drafter
-from router.offline import LocalRouter
+from in_process.generation import EXPLORE_CYCLES, InProcessRouter
 from router.scheduling.policy import Policy
 from tests.conftest import make_engine, make_model
 from tests.test_drafters import TAPS, draft_model, requests
@@ -23,17 +23,16 @@ def target():
     return make_model(layers=3, taps=TAPS)
 
 
-def _run(target, policy: Policy, sps=None, temperature: float = 0.0, explore: int | None = None):
-    router = LocalRouter(make_engine(target), Drafter(draft_model(target, "dspark")), policy, GAMMA, sps=sps)
-    if explore is not None:
-        router.planner.explore = explore
+def _run(target, policy: Policy, sps=None, temperature: float = 0.0, explore: int = EXPLORE_CYCLES):
+    router = InProcessRouter(make_engine(target), Drafter(draft_model(target, "dspark")), policy, GAMMA, sps=sps,
+                             explore=explore)
     return router.generate(requests(temperature=temperature))
 
 
 @pytest.mark.parametrize(("policy", "sps"), [(Policy.THRESHOLD, None), (Policy.DSPARK, FLAT), (Policy.DSPARK, STEEP),
                                              (Policy.DSPARK, None)], ids=["threshold", "flat", "steep", "no-profile"])
 def test_scheduled_policies_in_process_are_lossless(target, policy, sps):
-    plain = LocalRouter(make_engine(target), policy=Policy.NONE).generate(requests())
+    plain = InProcessRouter(make_engine(target), policy=Policy.NONE).generate(requests())
     for spec, ref in zip(_run(target, policy, sps), plain, strict=True):
         assert spec.token_ids == ref.token_ids
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from drafter_worker.ngram import NgramProposer
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.sampling import logits_to_probs
 from services.types import SamplingParams
@@ -73,12 +73,12 @@ def test_greedy_with_processors_equals_reference_plain_and_speculative(tiny_mode
     params = SamplingParams(max_tokens=20, **FAMILIES[family])
     reqs = _requests(params)
     expected = [_reference_greedy(tiny_model, r.prompt_ids, params) for r in reqs]
-    plain = LocalRouter(make_engine(tiny_model, max_batch_tokens=10), policy=Policy.NONE).generate(reqs)
+    plain = InProcessRouter(make_engine(tiny_model, max_batch_tokens=10), policy=Policy.NONE).generate(reqs)
     assert [r.token_ids for r in plain] == expected, f"{family}: plain decoding differs from the reference"
     answers = {r.request_id: r.prompt_ids + e for r, e in zip(reqs, expected, strict=True)}
     for name, proposer in [("oracle", OracleProposer(answers, VOCAB, error_rate=0.2)),
                            ("random", RandomProposer(VOCAB)), ("ngram", NgramProposer())]:
-        spec = LocalRouter(make_engine(tiny_model, num_slots=2), proposer, Policy.FIXED, 4).generate(reqs)
+        spec = InProcessRouter(make_engine(tiny_model, num_slots=2), proposer, Policy.FIXED, 4).generate(reqs)
         assert [r.token_ids for r in spec] == expected, f"{family}: {name} speculation differs"
         if name == "oracle":
             assert sum(r.accepted_tokens for r in spec) > 0
@@ -87,20 +87,20 @@ def test_greedy_with_processors_equals_reference_plain_and_speculative(tiny_mode
 def test_processors_change_greedy_output(tiny_model):
     """The processors really act: each family's output differs from unprocessed greedy on some prompt."""
     reqs = _requests(SamplingParams(max_tokens=20))
-    base = [r.token_ids for r in LocalRouter(make_engine(tiny_model)).generate(reqs)]
+    base = [r.token_ids for r in InProcessRouter(make_engine(tiny_model)).generate(reqs)]
     for family, fields in FAMILIES.items():
         if family == "min_p":
             continue  # min_p never moves the argmax
         params = SamplingParams(max_tokens=20, **fields)
-        out = [r.token_ids for r in LocalRouter(make_engine(tiny_model)).generate(_requests(params))]
+        out = [r.token_ids for r in InProcessRouter(make_engine(tiny_model)).generate(_requests(params))]
         assert out != base, f"{family} changed nothing"
 
 
 def test_min_tokens_masks_stop_tokens_until_reached(tiny_model):
-    plain = LocalRouter(make_engine(tiny_model)).generate(_requests(SamplingParams(max_tokens=30)))
+    plain = InProcessRouter(make_engine(tiny_model)).generate(_requests(SamplingParams(max_tokens=30)))
     stop = plain[0].token_ids[2]  # a token plain decoding emits early
     params = SamplingParams(max_tokens=30, min_tokens=10, stop_token_ids=(stop,))
-    out = LocalRouter(make_engine(tiny_model)).generate(_requests(params))[0].token_ids
+    out = InProcessRouter(make_engine(tiny_model)).generate(_requests(params))[0].token_ids
     assert stop not in out[:10]
 
 
@@ -146,7 +146,7 @@ def test_sampled_speculation_with_processors_keeps_the_distribution(family):
     n = 1500
     reqs = [GenerationRequest(f"r{i}", PROMPT, SamplingParams(seed=i, **params)) for i in range(n)]
     # A fixed sparse q far from p: rejections (recovered tokens) at every position.
-    router = LocalRouter(make_engine(model, num_slots=64, max_len=16, max_batch_tokens=512, max_waiting=4096),
+    router = InProcessRouter(make_engine(model, num_slots=64, max_len=16, max_batch_tokens=512, max_waiting=4096),
                          FixedDistributionProposer([8, 9, 2, 5], [0.5, 0.3, 0.15, 0.05]), Policy.FIXED, gamma=3)
     results = router.generate(reqs)
     assert sum(r.draft_tokens - r.accepted_tokens for r in results) > 0

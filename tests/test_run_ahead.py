@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from drafter_worker.ahead_window import AheadWindow
 from drafter_worker.drafter import Drafter, _knobs
 from drafter_worker.service import DrafterService
 from drafter_worker.speculation import Outcome, PredraftCache, Predrafted, Steering, likely_outcomes, outcome_of
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.calls import AheadCall, DraftCall, OpenCall
 from services.types import DraftBlock, SamplingParams
@@ -64,13 +65,28 @@ def _requests(temperature: float = 0.0) -> list[GenerationRequest]:
             for i, p in enumerate(random_prompts(5))]
 
 
+class SlowSteps:
+    """An engine whose steps cost `seconds` more, off the CPU: a target whose step outlasts a piece of drafting
+    ahead, the regime drafting ahead is for (the toy targets step in about the time the drafter drafts)."""
+
+    def __init__(self, engine, seconds: float):
+        self.engine, self.seconds = engine, seconds
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def step(self):
+        time.sleep(self.seconds)
+        return self.engine.step()
+
+
 @pytest.mark.parametrize("method", ["dspark", "dflash", "eagle3", "mtp"])
 def test_greedy_with_the_drafter_ahead_equals_plain(target, method):
-    plain = LocalRouter(make_engine(target), policy=Policy.NONE).generate(_requests())
+    plain = InProcessRouter(make_engine(target), policy=Policy.NONE).generate(_requests())
     ahead = RunAhead(Drafter(draft_model(target, method)), budget=48)
     gamma = 1 if method == "mtp" else 4
-    spec = LocalRouter(make_engine(target, num_slots=3, max_batch_tokens=10), ahead, Policy.FIXED, gamma).generate(
-        _requests())
+    engine = SlowSteps(make_engine(target, num_slots=3, max_batch_tokens=10), 0.03)
+    spec = InProcessRouter(engine, ahead, Policy.FIXED, gamma).generate(_requests())
     for s, p in zip(spec, plain, strict=True):
         assert s.token_ids == p.token_ids, f"{method} ahead diverged on {s.request_id}"
     stats = ahead.cache.stats
@@ -91,8 +107,8 @@ def test_sampling_with_the_drafter_ahead_keeps_the_target_distribution(ahead, st
     proposer = RunAhead(drafter, budget=8, steering=steering) if ahead else drafter
     n = 2500
     requests = [GenerationRequest(f"r{i}", PROMPT, SamplingParams(max_tokens=4, seed=i, **PARAMS)) for i in range(n)]
-    router = LocalRouter(make_engine(model, num_slots=64, max_len=16, max_batch_tokens=512, max_waiting=4096),
-                         proposer, Policy.FIXED, gamma=1)
+    engine = make_engine(model, num_slots=64, max_len=16, max_batch_tokens=512, max_waiting=4096)
+    router = InProcessRouter(SlowSteps(engine, 0.03) if ahead else engine, proposer, Policy.FIXED, gamma=1)
     results = router.generate(requests)
     assert sum(r.accepted_tokens for r in results) > 0 and sum(r.draft_tokens - r.accepted_tokens for r in results) > 0
     assert not ahead or proposer.cache.stats.hits > 100

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from drafter_worker.ngram import NgramProposer
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.types import FinishReason, SamplingParams
 from tests.conftest import VOCAB, make_engine, random_prompts
@@ -24,11 +24,11 @@ def _requests(max_tokens: int = 40, stop: tuple[int, ...] = ()) -> list[Generati
 
 @pytest.fixture(scope="module")
 def plain(tiny_model):
-    return LocalRouter(make_engine(tiny_model), policy=Policy.NONE).generate(_requests())
+    return InProcessRouter(make_engine(tiny_model), policy=Policy.NONE).generate(_requests())
 
 
 def _run(model, proposer, gamma, **engine_kw):
-    router = LocalRouter(make_engine(model, **engine_kw), proposer, Policy.FIXED, gamma)
+    router = InProcessRouter(make_engine(model, **engine_kw), proposer, Policy.FIXED, gamma)
     return router.generate(_requests())
 
 
@@ -69,7 +69,7 @@ def test_stop_token_ends_generation(tiny_model, plain):
     stop = plain[1].token_ids[5]
     reqs = _requests(stop=(stop,))
     for policy, proposer in [(Policy.NONE, None), (Policy.FIXED, NgramProposer())]:
-        result = LocalRouter(make_engine(tiny_model), proposer, policy, 4).generate(reqs)[1]
+        result = InProcessRouter(make_engine(tiny_model), proposer, policy, 4).generate(reqs)[1]
         first = plain[1].token_ids.index(stop)
         assert result.token_ids == plain[1].token_ids[: first + 1]
         assert result.finish_reason == FinishReason.STOP
@@ -77,7 +77,7 @@ def test_stop_token_ends_generation(tiny_model, plain):
 
 def test_max_tokens_is_exact(tiny_model):
     reqs = [GenerationRequest("a", [5, 6, 7], SamplingParams(max_tokens=9))]
-    result = LocalRouter(make_engine(tiny_model), NgramProposer(), Policy.FIXED, 8).generate(reqs)[0]
+    result = InProcessRouter(make_engine(tiny_model), NgramProposer(), Policy.FIXED, 8).generate(reqs)[0]
     assert len(result.token_ids) == 9
     assert result.finish_reason == FinishReason.LENGTH
 
@@ -94,9 +94,9 @@ def test_bf16_speculation_is_bit_exact(tiny_model, plain):
         pytest.skip("this CPU's bf16 GEMM gives a row different bits at different row counts")
     model = copy.deepcopy(tiny_model).to(torch.bfloat16)
     reqs = _requests()
-    base = LocalRouter(make_engine(model), policy=Policy.NONE).generate(reqs)
+    base = InProcessRouter(make_engine(model), policy=Policy.NONE).generate(reqs)
     answers = {r.request_id: r.prompt_ids + r.token_ids for r in base}
-    spec = LocalRouter(make_engine(model, num_slots=3, max_batch_tokens=10),
+    spec = InProcessRouter(make_engine(model, num_slots=3, max_batch_tokens=10),
                        OracleProposer(answers, VOCAB), Policy.FIXED, 5).generate(reqs)
     assert [r.token_ids for r in spec] == [r.token_ids for r in base]
     assert sum(r.accepted_tokens for r in spec) > 0

@@ -14,7 +14,7 @@ from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
 from drafter_worker.checkpoint import drafter_config, load_drafter
 from drafter_worker.drafter import Drafter
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.errors import InvalidRequestError
 from services.grammar import GrammarTokenizer, compile_grammar
@@ -112,11 +112,11 @@ class _Junk:
 
 @pytest.mark.parametrize("grammar", GRAMMARS, ids=[g.kind.value for g in GRAMMARS])
 def test_constrained_speculative_greedy_is_constrained_plain_and_valid(target, tok, grammar):
-    plain = LocalRouter(make_engine(target, max_len=256)).generate(_requests(tok, grammar))
+    plain = InProcessRouter(make_engine(target, max_len=256)).generate(_requests(tok, grammar))
     drafter, _ = load_drafter("dspark-target-v2-dspark", target, "float32")
     for proposer in (Drafter(drafter), _Junk()):
         engine = make_engine(target, max_len=256)
-        spec = LocalRouter(engine, proposer, Policy.FIXED, 5).generate(_requests(tok, grammar))
+        spec = InProcessRouter(engine, proposer, Policy.FIXED, 5).generate(_requests(tok, grammar))
         assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
     matcher = llguidance.LLMatcher(GrammarTokenizer(target.source_dir, target.config.vocab_size).lltok,
                                    compile_grammar(grammar))
@@ -155,8 +155,8 @@ def test_a_constrained_drafter_drafts_only_what_the_grammar_allows_and_changes_n
     for constrained in (True, False):
         committed.clear()
         blocks.clear()
-        router = LocalRouter(make_engine(target, max_len=256, num_slots=8), Drafter(model, calibration), Policy.FIXED,
-                             7, observer=observe, constrained_drafting=constrained)
+        router = InProcessRouter(make_engine(target, max_len=256, num_slots=8), Drafter(model, calibration),
+                                 Policy.FIXED, 7, observer=observe, constrained_drafting=constrained)
         runs[constrained] = (router.generate(_requests(tok, grammar, temperature, n=2), on_tokens), list(blocks))
     (on, on_blocks), (off, off_blocks) = runs[True], runs[False]
     assert on_blocks and all(len(b) > 0 for _, b in on_blocks)
@@ -178,7 +178,7 @@ def test_a_constrained_drafter_drafts_only_what_the_grammar_allows_and_changes_n
 def test_sampled_constrained_output_stays_inside_the_grammar_under_speculation(target, tok):
     drafter, _ = load_drafter("dspark-target-v2-dspark", target, "float32")
     grammar = GRAMMARS[1]
-    spec = LocalRouter(make_engine(target, max_len=256, num_slots=8), Drafter(drafter), Policy.FIXED, 5).generate(
+    spec = InProcessRouter(make_engine(target, max_len=256, num_slots=8), Drafter(drafter), Policy.FIXED, 5).generate(
         _requests(tok, grammar, temperature=1.0, n=3))
     matcher = llguidance.LLMatcher(GrammarTokenizer(target.source_dir, target.config.vocab_size).lltok,
                                    compile_grammar(grammar))
@@ -226,7 +226,7 @@ def test_sampled_constrained_speculative_output_follows_the_masked_target(target
     reqs = [GenerationRequest(f"r{i}", prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=2, grammar=grammar))
             for i in range(n)]
     engine = make_engine(target, num_slots=64, max_len=32, max_batch_tokens=512, max_waiting=4096)
-    out = LocalRouter(engine, _SampledJunk(), Policy.FIXED, 3).generate(reqs)
+    out = InProcessRouter(engine, _SampledJunk(), Policy.FIXED, 3).generate(reqs)
 
     def masked(prefix: list[int]) -> torch.Tensor:
         state: RequestGrammar = gt.start(grammar)
@@ -255,7 +255,7 @@ def test_logprobs_stay_those_of_the_raw_distribution_under_a_grammar(target, tok
     grammar = GRAMMARS[2]  # a choice: most of the vocabulary is masked
     prompt = tok.encode(PROMPTS[1])
     req = GenerationRequest("lp", prompt, SamplingParams(max_tokens=2, grammar=grammar, logprobs=0))
-    (out,) = LocalRouter(make_engine(target, max_len=256)).generate([req])
+    (out,) = InProcessRouter(make_engine(target, max_len=256)).generate([req])
     with torch.no_grad():
         raw = target.forward_dense(torch.tensor([prompt + out.token_ids[:1]])).logits[0].float().log_softmax(-1)
     expected = [float(raw[len(prompt) - 1, out.token_ids[0]]), float(raw[len(prompt), out.token_ids[1]])]

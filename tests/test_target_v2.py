@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from drafter_worker.ngram import NgramProposer
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.loader import load_model
 from services.registry import resolve_model
@@ -64,9 +64,9 @@ def test_a_request_across_position_1024_is_exact_plain_and_speculative(model):
     prompt = tok.encode(text * 4)[:1000]
     req = [GenerationRequest("long", prompt, SamplingParams(max_tokens=40))]
     cfg = EngineConfig(num_slots=1, max_len=1100, max_batch_tokens=256)
-    plain = LocalRouter(Engine(model, cfg), policy=Policy.NONE).generate(req)[0]
+    plain = InProcessRouter(Engine(model, cfg), policy=Policy.NONE).generate(req)[0]
     assert len(prompt) + len(plain.token_ids) > 1024
     logits = full_forward(model, prompt + plain.token_ids).logits
     assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == plain.token_ids
-    spec = LocalRouter(Engine(model, cfg), NgramProposer(), Policy.FIXED, 4).generate(req)[0]
+    spec = InProcessRouter(Engine(model, cfg), NgramProposer(), Policy.FIXED, 4).generate(req)[0]
     assert spec.token_ids == plain.token_ids and spec.cycles < len(plain.token_ids)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.layers import RaggedLayout
 from services.loader import load_model
@@ -67,10 +67,10 @@ def _generate(model) -> dict[str, list[list[int]]]:
     engine = Engine(model, EngineConfig(num_slots=2, max_len=128, max_batch_tokens=8))
     params = SamplingParams(max_tokens=MAX_TOKENS)
     prompts = _prompts()
-    plain = LocalRouter(engine).generate([GenerationRequest(f"p{i}", p, params) for i, p in enumerate(prompts)])
+    plain = InProcessRouter(engine).generate([GenerationRequest(f"p{i}", p, params) for i, p in enumerate(prompts)])
     answers = {f"s{i}": p + r.token_ids for i, (p, r) in enumerate(zip(prompts, plain, strict=True))}
     oracle = OracleProposer(answers, model.config.vocab_size, error_rate=0.3, seed=1)
-    spec = LocalRouter(engine, oracle, Policy.FIXED, gamma=4).generate(
+    spec = InProcessRouter(engine, oracle, Policy.FIXED, gamma=4).generate(
         [GenerationRequest(f"s{i}", p, params) for i, p in enumerate(prompts)])
     return {"plain": [r.token_ids for r in plain], "spec": [r.token_ids for r in spec],
             "accepted": sum(r.accepted_tokens for r in spec), "drafted": sum(r.draft_tokens for r in spec)}

@@ -13,9 +13,9 @@ import uvicorn
 
 from cluster.launcher import RedisProcess, start_tiers
 from drafter_worker.settings import DrafterSettings
+from in_process.generation import GenerationRequest, InProcessRouter
 from router.api.http import ApiConfig, build_app
 from router.main import build_router, tier_health
-from router.offline import GenerationRequest, LocalRouter
 from router.settings import RouterSettings
 from services.errors import TierUnavailableError
 from services.loader import load_model
@@ -46,7 +46,7 @@ def plain_greedy(prompts: list[list[int]], max_tokens: list[int]) -> list[list[i
     engine = Engine(load_model(resolve_model(TARGET), "float32", "cpu"), EngineConfig(num_slots=8, max_len=512))
     reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=m), stop_token_ids=tok.eos_token_ids)
             for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]
-    return [r.token_ids for r in LocalRouter(engine).generate(reqs)]
+    return [r.token_ids for r in InProcessRouter(engine).generate(reqs)]
 
 
 @contextmanager

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from router.offline import GenerationRequest, LocalRouter
+from in_process.generation import GenerationRequest, InProcessRouter
 from services.model import CausalLM
 from services.tokenizer import TextTokenizer
 from services.types import SamplingParams
@@ -71,7 +71,7 @@ def generate(model: CausalLM, tokenizer: TextTokenizer, items: list[tuple[str, s
     todo = [it for it in items if it[1] not in done]
     engine = Engine(model, EngineConfig(num_slots=cfg.batch, max_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 8,
                                         compile=cfg.compile and bool(todo)))
-    router = LocalRouter(engine)
+    router = InProcessRouter(engine)
     written = 0
     with out_path.open("a") as out, Progress() as progress:
         task = progress.add_task("rollouts", total=len(items), completed=len(items) - len(todo))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter_worker.drafter import Drafter
-from router.offline import GenerationRequest, GenerationResult, LocalRouter
+from in_process.generation import GenerationRequest, GenerationResult, InProcessRouter
 from router.scheduling.policy import Policy
 from services.types import DraftBlock, SamplingParams, StepOutput
 from verifier_worker.engine import Engine, EngineConfig
@@ -88,7 +88,7 @@ def run(target, drafter: Drafter | None, prompts: list[list[int]], gamma: int, p
     engine = Engine(target, EngineConfig(num_slots=batch, max_len=max_len))
     log = CycleLog()
     policy = Policy.FIXED if drafter is not None else Policy.NONE
-    router = LocalRouter(engine, drafter, policy, gamma, observer=log)
+    router = InProcessRouter(engine, drafter, policy, gamma, observer=log)
     requests = [GenerationRequest(f"p{i}", ids, SamplingParams(
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         seed=None if params.seed is None else params.seed + i, max_tokens=params.max_tokens), stop_ids)
