@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.engine_speed import cpu_model
+from benchmarks.harness import cpu_model
 from benchmarks.tier_overhead import PROMPTS
 from cluster.launcher import start_tier
 from drafter_worker.settings import DrafterSettings

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from benchmarks.engine_speed import cpu_model
 from benchmarks.grammar_cost import QUESTIONS, SCHEMA
+from benchmarks.harness import cpu_model
 from drafter_worker.checkpoint import drafter_config, load_drafter
 from drafter_worker.drafter import Drafter
 from in_process.generation import GenerationRequest, InProcessRouter

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine_speed import DATASETS, cpu_model, prompts
+from benchmarks.harness import DATASETS, cpu_model, eval_prompts
 from drafter_worker.checkpoint import drafter_config, load_drafter
 from drafter_worker.drafter import Drafter
 from in_process.generation import GenerationRequest, InProcessRouter
@@ -92,7 +92,7 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     arms = {vd: Drafter(full if vd >= target.config.vocab_size else reduce_vocab(full, frequency_d2t(counts, vd)),
                         calibration) for vd in sizes}
-    ids = prompts(tok, DATASETS, args.prompts)
+    ids = eval_prompts(tok, DATASETS, args.prompts)
     engine = Engine(target, EngineConfig(num_slots=2, max_len=1024))
     run(engine, None, Policy.NONE, 1, ids[:1], 8)  # warm-up
     per: dict = {"plain": []} | {vd: [] for vd in sizes}

@@ -11,19 +11,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import platform
 import statistics
-import time
 
 import torch
 
-from in_process.generation import GenerationRequest, InProcessRouter
+from benchmarks.harness import (
+    Stopping,
+    alternate,
+    forward_ms,
+    generate_rate,
+    load_target,
+    machine,
+    random_prompts,
+    write_json,
+)
 from router.scheduling.policy import Policy
-from services.loader import load_model, resolve_dtype
+from services.loader import resolve_dtype
 from services.model import CausalLM
-from services.registry import resolve_model
-from services.types import DraftBlock, SamplingParams
+from services.types import DraftBlock
 from training.tiny_model import random_model, tiny_config
 from verifier_worker.engine import Engine, EngineConfig
 from verifier_worker.kv_cache import KVCache
@@ -32,7 +37,7 @@ from verifier_worker.profile import time_forward
 
 def build_model(args) -> torch.nn.Module:
     if args.model:
-        model = load_model(resolve_model(args.model), args.dtype)
+        model = load_target(args.model, args.dtype).model
         print(f"model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
         return model
     cfg = tiny_config(args.vocab, eos_id=0, layers=args.layers, hidden=args.hidden)
@@ -46,19 +51,8 @@ def verify_cost(model, batches, gammas, context, rounds) -> list[dict]:
     """Median ms of one forward with (1+γ) new tokens per request, interleaved over γ."""
     rows = []
     for b in batches:
-        cache = KVCache(model.config, b, context + max(gammas) + 1, model.dtype, model.device)
-        shapes = [1] + [1 + g for g in gammas]
-        times = {q: [] for q in shapes}
-        for q in shapes:  # warm-up
-            time_forward(model, cache, [q] * b, context, 2)
-        for _ in range(rounds):
-            for q in shapes:
-                times[q] += time_forward(model, cache, [q] * b, context, 1)
-        base = statistics.median(times[1])
-        for q in shapes:
-            med = statistics.median(times[q])
-            rows.append({"batch": b, "gamma": q - 1, "ms": round(1000 * med, 3),
-                         "ratio_vs_decode": round(med / base, 3)})
+        ms = forward_ms(model, [1] + [1 + g for g in gammas], context, rounds, batch=b)
+        rows += [{"batch": b, "gamma": q - 1, "ms": t, "ratio_vs_decode": round(t / ms[1], 3)} for q, t in ms.items()]
     return rows
 
 
@@ -67,11 +61,9 @@ def drafter_block_ratio(model, context: int, rounds: int) -> dict:
     DSpark drafter costs per cycle): speculation can only pay when the first is several times the second."""
     drafter = CausalLM(dataclasses.replace(model.config, num_hidden_layers=1)).to(model.dtype).eval()
     caches = [KVCache(m.config, 1, context + 8, m.dtype, m.device) for m in (model, drafter)]
-    times: dict[str, list[float]] = {"target_1": [], "drafter_8": []}
-    for _ in range(rounds + 2):
-        times["target_1"] += time_forward(model, caches[0], [1], context, 1)
-        times["drafter_8"] += time_forward(drafter, caches[1], [8], context, 1)
-    target, block = (statistics.median(times[k][2:]) for k in ("target_1", "drafter_8"))
+    times = alternate({"target_1": lambda: time_forward(model, caches[0], [1], context, 1)[0],
+                       "drafter_8": lambda: time_forward(drafter, caches[1], [8], context, 1)[0]}, rounds, warm_up=2)
+    target, block = (statistics.median(times[k]) for k in ("target_1", "drafter_8"))
     return {"target_forward_1_ms": round(1000 * target, 3), "drafter_block_8_ms": round(1000 * block, 3),
             "ratio": round(target / block, 2)}
 
@@ -80,21 +72,11 @@ def plain_decode(model, batches, prompt_len, new_tokens) -> list[dict]:
     rows = []
     for b in batches:
         engine = Engine(model, EngineConfig(num_slots=b, max_len=prompt_len + new_tokens + 16, max_batch_tokens=4096))
-        router = InProcessRouter(engine, policy=Policy.NONE)
-        g = torch.Generator().manual_seed(b)
-        reqs = [
-            GenerationRequest(f"r{i}", torch.randint(3, model.config.vocab_size, (prompt_len,), generator=g).tolist(),
-                              SamplingParams(max_tokens=new_tokens))
-            for i in range(b)
-        ]
-        router.generate(reqs[:1])  # warm-up
-        t0 = time.perf_counter()
-        results = router.generate(reqs)
-        elapsed = time.perf_counter() - t0
-        tokens = sum(len(r.token_ids) for r in results)
-        rows.append({"batch": b, "tokens": tokens, "seconds": round(elapsed, 3),
-                     "tokens_per_s": round(tokens / elapsed, 1),
-                     "per_request_tokens_per_s": round(tokens / elapsed / b, 1)})
+        ids = random_prompts(model.config.vocab_size, b, prompt_len, seed=b)
+        generate_rate(engine, ids[:1], Stopping(new_tokens))  # warm-up
+        rate = generate_rate(engine, ids, Stopping(new_tokens), batch=b)
+        rows.append({"batch": b, "tokens": rate.tokens, "tokens_per_s": round(rate.tokens_per_s, 1),
+                     "per_request_tokens_per_s": round(rate.tokens_per_s / b, 1)})
     return rows
 
 
@@ -104,7 +86,7 @@ class _OracleWithErrors:
     def __init__(self, answers, vocab):
         self.answers, self.vocab, self.calls = answers, vocab, 0
 
-    def propose(self, contexts, gamma):
+    def propose(self, contexts, gamma, params=None):
         out = {}
         for rid, ctx in contexts.items():
             tokens = list(self.answers[rid][len(ctx) : len(ctx) + gamma])
@@ -114,6 +96,9 @@ class _OracleWithErrors:
             out[rid] = DraftBlock(tokens)
         return out
 
+    def commit(self, request_id, feature_start, features):
+        pass  # it reads no target features
+
     def release(self, request_id):
         pass
 
@@ -121,22 +106,17 @@ class _OracleWithErrors:
 def greedy_identity(model, prompts, new_tokens, gamma) -> dict:
     """How often speculative greedy equals plain greedy in the serving dtype (tokens and whole outputs)."""
     def run(proposer, policy):
-        config = EngineConfig(num_slots=8, max_len=512, max_batch_tokens=512)
-        reqs = [GenerationRequest(f"p{i}", p, SamplingParams(max_tokens=new_tokens)) for i, p in enumerate(prompts)]
-        t0 = time.perf_counter()
-        results = InProcessRouter(Engine(model, config), proposer, policy, gamma).generate(reqs)
-        return results, time.perf_counter() - t0
+        engine = Engine(model, EngineConfig(num_slots=8, max_len=512, max_batch_tokens=512))
+        return generate_rate(engine, prompts, Stopping(new_tokens), proposer, policy, gamma, batch=len(prompts))
 
-    plain, plain_s = run(None, Policy.NONE)
-    answers = {r.request_id: r.prompt_ids + r.token_ids for r in plain}
-    spec, spec_s = run(_OracleWithErrors(answers, model.config.vocab_size), Policy.FIXED)
-    pairs = list(zip(plain, spec, strict=True))
-    total = sum(len(p.token_ids) for p in plain)
-    return {"outputs": len(plain),
-            "identical_outputs": sum(p.token_ids == s.token_ids for p, s in pairs),
-            "tokens_before_first_divergence": sum(_common_prefix(p.token_ids, s.token_ids) for p, s in pairs),
-            "tokens": total, "tau": round(sum(r.cycle_tokens for r in spec) / max(1, sum(r.cycles for r in spec)), 3),
-            "plain_tokens_per_s": round(total / plain_s, 1), "spec_tokens_per_s": round(total / spec_s, 1)}
+    plain = run(None, Policy.NONE)
+    answers = {f"p{i}": p + out for i, (p, out) in enumerate(zip(prompts, plain.outputs, strict=True))}
+    spec = run(_OracleWithErrors(answers, model.config.vocab_size), Policy.FIXED)
+    pairs = list(zip(plain.outputs, spec.outputs, strict=True))
+    return {"outputs": len(pairs), "identical_outputs": sum(p == s for p, s in pairs),
+            "tokens_before_first_divergence": sum(_common_prefix(p, s) for p, s in pairs),
+            "tokens": plain.tokens, "tau": round(spec.tau, 3),
+            "plain_tokens_per_s": round(plain.tokens_per_s, 1), "spec_tokens_per_s": round(spec.tokens_per_s, 1)}
 
 
 def _common_prefix(a, b) -> int:
@@ -166,8 +146,7 @@ def main() -> None:
     batches = [int(x) for x in args.batches.split(",")]
     gammas = [int(x) for x in args.gammas.split(",")]
     model = build_model(args)
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
-            **vars(args), "dtype": str(model.dtype).removeprefix("torch.")}
+    meta = {**machine(), **vars(args), "dtype": str(model.dtype).removeprefix("torch.")}
 
     decode = plain_decode(model, batches, prompt_len=128, new_tokens=args.decode_tokens)
     print(f"\nplain decoding (engine, {meta['dtype']}, prompt 128):")
@@ -187,19 +166,15 @@ def main() -> None:
           f"{ratio['drafter_block_8_ms']:.2f} ms: {ratio['ratio']:.2f}x")
 
     g = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
-    prompts = [torch.randint(3, vocab, (16 + 8 * i,), generator=g).tolist() for i in range(8)]
+    prompts = [torch.randint(3, model.config.vocab_size, (16 + 8 * i,), generator=g).tolist() for i in range(8)]
     identity = [greedy_identity(model, prompts, 64, 4)]
     print(f"\n{meta['dtype']} speculative greedy vs plain greedy, 8 prompts x 64 tokens, oracle drafter with errors:")
     for r in identity:
         print(f"  {r['identical_outputs']}/{r['outputs']} outputs identical, "
               f"{r['tokens_before_first_divergence']}/{r['tokens']} tokens before the first divergence, "
               f"τ={r['tau']}, plain {r['plain_tokens_per_s']} tok/s, speculative {r['spec_tokens_per_s']} tok/s")
-    if args.json:
-        with open(args.json, "w") as f:
-            results = {"meta": meta, "plain_decode": decode, "verify_cost": verify, "drafter_block": ratio,
-                       "greedy_identity": identity}
-            json.dump(results, f, indent=2)
+    write_json(args.json, {"meta": meta, "plain_decode": decode, "verify_cost": verify, "drafter_block": ratio,
+                           "greedy_identity": identity})
 
 
 if __name__ == "__main__":

@@ -14,41 +14,24 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
-import torch
-
-from benchmarks.engine_speed import DATASETS, DRAFTERS, cpu_model, prompts
-from drafter_worker.checkpoint import drafter_config, load_drafter
+from benchmarks.harness import (
+    DATASETS,
+    DRAFTERS,
+    Stopping,
+    eval_prompts,
+    generate_rate,
+    load_target,
+    machine,
+    write_json,
+)
+from drafter_worker.checkpoint import load_drafter
 from drafter_worker.drafter import Drafter
-from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
-from services.loader import load_model, resolve_device
+from services.loader import resolve_device
 from services.registry import resolve_model
-from services.tokenizer import TextTokenizer
-from services.types import SamplingParams
 from verifier_worker.engine import Engine, EngineConfig
 from verifier_worker.profile import profile_sps
-
-
-def run(engine: Engine, proposer, policy: Policy, gamma: int, ids: list[list[int]], tokens: int):
-    router = InProcessRouter(engine, proposer, policy, gamma)
-    reqs = [GenerationRequest(f"p{i}", p, SamplingParams(max_tokens=tokens)) for i, p in enumerate(ids)]
-    if engine.model.device.type == "cuda":
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    results = [router.generate([r])[0] for r in reqs]  # batch 1
-    if engine.model.device.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - started
-    return [r.token_ids for r in results], sum(len(r.token_ids) for r in results) / elapsed
-
-
-def device_facts(device: torch.device) -> dict:
-    if device.type == "cuda":
-        return {"device": torch.cuda.get_device_name(device), "devices": torch.cuda.device_count(),
-                "cuda": torch.version.cuda}
-    return {"device": cpu_model(), "devices": 1}
 
 
 def main() -> None:
@@ -64,38 +47,39 @@ def main() -> None:
     args = p.parse_args()
     started = time.perf_counter()
     device = resolve_device(args.device)
-    model_dir = resolve_model(args.model)
-    ids = prompts(TextTokenizer.from_dir(model_dir), DATASETS, args.prompts)
-    names = [n for n in args.drafters.split(",") if n]
-    taps = tuple(sorted({t for n in names for t in drafter_config(resolve_model(DRAFTERS[n])).tap_layers}))
-    model = load_model(model_dir, "auto", device, tap_layers=taps)
-    out: dict = {"torch": torch.__version__, "dtype": str(model.dtype).removeprefix("torch."), **device_facts(device),
+    dirs = {n: resolve_model(DRAFTERS[n]) for n in args.drafters.split(",") if n}
+    target = load_target(args.model, "auto", device, drafters=dirs)
+    ids = eval_prompts(target.tokenizer, DATASETS, args.prompts)
+    facts = machine(device)
+    out: dict = {"torch": facts["torch"], "dtype": target.dtype_name, "device": facts["device"],
+                 "devices": facts["devices"], **({"cuda": facts["cuda"]} if "cuda" in facts else {}),
                  "arms": {}, "identical": True}
+    length = Stopping(args.tokens)
     for mode in args.modes.split(","):
         t0 = time.perf_counter()
-        engine = Engine(model, EngineConfig(num_slots=4, max_len=1024, compile=mode == "compiled"))
+        engine = Engine(target.model, EngineConfig(num_slots=4, max_len=1024, compile=mode == "compiled"))
         arms = out["arms"][mode] = {"engine_ready_s": round(time.perf_counter() - t0, 1)}
-        run(engine, None, Policy.NONE, 0, ids[:1], 8)  # warm-up
-        plain_tokens, plain_tps = run(engine, None, Policy.NONE, 0, ids, args.tokens)
-        arms["plain_tokens_per_s"] = round(plain_tps, 1)
-        for name in names:
-            draft_model, calibration = load_drafter(DRAFTERS[name], model, "auto", device)
+        generate_rate(engine, ids[:1], Stopping(8))  # warm-up
+        plain = generate_rate(engine, ids, length)  # batch 1
+        arms["plain_tokens_per_s"] = round(plain.tokens_per_s, 1)
+        for name, directory in dirs.items():
+            draft_model, calibration = load_drafter(directory, target.model, "auto", device)
             drafter = Drafter(draft_model, calibration, compile=mode == "compiled")
             gamma = 1 if name == "mtp1" else args.gamma
-            run(engine, drafter, Policy.FIXED, gamma, ids[:1], 8)  # warm-up (and the drafter's compile)
-            tokens, tps = run(engine, drafter, Policy.FIXED, gamma, ids, args.tokens)
-            same = tokens == plain_tokens
+            generate_rate(engine, ids[:1], Stopping(8), drafter, Policy.FIXED, gamma)  # warm-up (and compile)
+            spec = generate_rate(engine, ids, length, drafter, Policy.FIXED, gamma)
+            same = spec.outputs == plain.outputs
             out["identical"] &= same
-            arms[name] = {"identical": same, "tokens_per_s": round(tps, 1), "x_plain": round(tps / plain_tps, 2)}
+            arms[name] = {"identical": same, "tokens_per_s": round(spec.tokens_per_s, 1),
+                          "x_plain": round(spec.tokens_per_s / plain.tokens_per_s, 2)}
         if mode == "compiled" or len(args.modes.split(",")) == 1:
             arms["sps"] = [pt.as_dict() for pt in profile_sps(engine.forward, (1, 8, 32, 128), context=256, repeats=5)]
     out["tp2"] = ({"skipped": "one device"} if out["devices"] < 2 else
                   {"skipped": "tensor parallelism is checked by tests/test_tensor_parallel.py (gloo); not run here"})
     out["wall_s"] = round(time.perf_counter() - started, 1)
-    text = json.dumps(out)
-    print(text)
+    print(json.dumps(out))
     if args.json:
-        Path(args.json).write_text(text + "\n")
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

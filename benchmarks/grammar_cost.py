@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from benchmarks.engine_speed import cpu_model
+from benchmarks.harness import cpu_model
 from in_process.generation import GenerationRequest, InProcessRouter
 from services.loader import load_model
 from services.registry import resolve_model

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from benchmarks.engine_speed import cpu_model
+from benchmarks.harness import cpu_model
 from services.grammar import JSON_LAYOUT
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer

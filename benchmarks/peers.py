@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tarfile
@@ -33,11 +32,17 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine_speed import cpu_model
-from in_process.generation import GenerationRequest, InProcessRouter
-from services.loader import load_model, native_bf16
-from services.registry import resolve_model
-from services.types import SamplingParams
+from benchmarks.harness import (
+    Stopping,
+    alternate,
+    forward_ms,
+    generate_rate,
+    load_target,
+    machine,
+    medians,
+    random_prompts,
+    write_json,
+)
 from verifier_worker.engine import Engine, EngineConfig
 
 CACHE = Path(os.environ.get("DSPARK_PEERS_CACHE", Path.home() / ".cache" / "dspark" / "peers"))
@@ -108,19 +113,6 @@ def llama_forward_ms(bench: Path, gguf: Path, sizes: tuple[int, ...], threads: i
     return {int(r["n_prompt"]): round(1000 * r["n_prompt"] / r["avg_ts"], 2) for r in json.loads(proc.stdout)}
 
 
-def dspark_forward_ms(model, sizes: tuple[int, ...]) -> dict[int, float]:
-    """ms of one forward of n new tokens of one sequence after 32 cached ones (the verifier's prepared step)."""
-    from verifier_worker.kv_cache import KVCache
-    from verifier_worker.profile import time_forward
-
-    cache = KVCache(model.config, 1, 32 + max(sizes) + 8, model.dtype, model.device)
-    out = {}
-    for n in sizes:
-        time_forward(model, cache, [n], 32, 3)
-        out[n] = round(1000 * statistics.median(time_forward(model, cache, [n], 32, 10)), 2)
-    return out
-
-
 def llama_greedy_text(bench: Path, gguf: Path, prompt: str, tokens: int) -> str:
     """llama.cpp's greedy continuation of `prompt` (llama-simple prints the prompt, then the continuation)."""
     proc = subprocess.run([str(bench.parent / "llama-simple"), "-m", str(gguf), "-n", str(tokens), prompt],
@@ -160,12 +152,8 @@ def llama_bench(bench: Path, gguf: Path, tokens: int, threads: int) -> float:
 
 
 def dspark_tps(engine: Engine, batch: int, tokens: int, vocab: int) -> float:
-    g = torch.Generator().manual_seed(batch)
-    reqs = [GenerationRequest(f"r{i}", torch.randint(3, vocab, (32,), generator=g).tolist(),
-                              SamplingParams(max_tokens=tokens)) for i in range(batch)]
-    started = time.perf_counter()
-    results = InProcessRouter(engine).generate(reqs)
-    return sum(len(r.token_ids) for r in results) / (time.perf_counter() - started)
+    ids = random_prompts(vocab, batch, 32, seed=batch)
+    return generate_rate(engine, ids, Stopping(tokens), batch=batch).tokens_per_s
 
 
 class HfPeer:
@@ -200,12 +188,10 @@ def main() -> None:
     p.add_argument("--peers", default="dspark,dspark-compiled,transformers,llama.cpp")
     p.add_argument("--json")
     args = p.parse_args()
-    model_dir = resolve_model(args.model)
-    model = load_model(model_dir, args.dtype)
+    target = load_target(args.model, args.dtype)
+    model, model_dir = target.model, target.model_dir
     dtype, threads, vocab = model.dtype, torch.get_num_threads(), model.config.vocab_size
-    meta = {"model": args.model, "cpu": cpu_model(), "native_bf16": native_bf16(torch.device("cpu")),
-            "threads": threads, "dtype": str(dtype).removeprefix("torch."), "tokens": args.tokens,
-            "torch": torch.__version__}
+    meta = {"model": args.model, **machine(), "dtype": target.dtype_name, "tokens": args.tokens}
     print(json.dumps(meta), flush=True)
     arms, skipped, extra = {}, {}, {}
     wanted = args.peers.split(",")
@@ -240,23 +226,14 @@ def main() -> None:
         except (OSError, subprocess.CalledProcessError) as error:
             skipped["llama.cpp"] = f"could not build or convert: {error}"
             print(f"llama.cpp skipped: {error}", flush=True)
-    for arm in arms.values():  # warm-up (compiles)
-        for fn in arm.values():
-            fn()
-    samples = {name: {b: [] for b in arm} for name, arm in arms.items()}
-    for _ in range(args.rounds):
-        for name, arm in arms.items():
-            for b, fn in arm.items():
-                samples[name][b].append(fn())
-    table = {name: {b: round(statistics.median(v), 1) for b, v in per.items()} for name, per in samples.items()}
+    flat = medians(alternate({(name, b): fn for name, arm in arms.items() for b, fn in arm.items()}, args.rounds))
+    table = {name: {b: flat[(name, b)] for b in arm} for name, arm in arms.items()}
     base = table.get("dspark", table.get("dspark-compiled", {}))
     for name, per in table.items():
         ratios = ", ".join(f"b{b} {tps:.1f} tok/s (dspark {base[b] / tps:.2f} x)"
                            for b, tps in per.items() if b in base)
         print(f"{name:>24}: {ratios}", flush=True)
-    if args.json:
-        record = {"meta": meta, "tokens_per_s": table, "skipped": skipped, **extra}
-        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+    write_json(args.json, {"meta": meta, "tokens_per_s": table, "skipped": skipped, **extra})
 
 
 def gguf_checks(model, model_dir: Path, bench: Path, files: dict[str, Path], threads: int, tokens: int) -> dict:
@@ -264,16 +241,15 @@ def gguf_checks(model, model_dir: Path, bench: Path, files: dict[str, Path], thr
     from services.tokenizer import TextTokenizer
 
     model.prepare_for_serving()
-    ours = dspark_forward_ms(model, FORWARD_SIZES)
+    ours = {n: round(ms, 2) for n, ms in forward_ms(model, FORWARD_SIZES, 32, 10).items()}
     curves = {"dspark": ours} | {name: llama_forward_ms(bench, g, FORWARD_SIZES, threads) for name, g in files.items()}
     for name, curve in curves.items():
         steps = ", ".join(f"{n}: {ms:.1f}" for n, ms in curve.items())
         print(f"forward ms {name:>22}: {steps}; f(8)/f(1) {curve[8] / curve[1]:.2f}", flush=True)
     tok = TextTokenizer.from_dir(model_dir)
     engine = Engine(model, EngineConfig(num_slots=8, max_len=1024))
-    reqs = [GenerationRequest(f"a{i}", tok.encode(p), SamplingParams(max_tokens=tokens))
-            for i, p in enumerate(AGREEMENT_PROMPTS)]
-    greedy = [r.token_ids for r in InProcessRouter(engine).generate(reqs)]
+    ids = [tok.encode(p) for p in AGREEMENT_PROMPTS]
+    greedy = generate_rate(engine, ids, Stopping(tokens), batch=len(ids)).outputs
     agree = {name: [agreement(tok, ids, llama_greedy_text(bench, g, prompt, tokens))
                     for prompt, ids in zip(AGREEMENT_PROMPTS, greedy, strict=True)] for name, g in files.items()}
     for name, counts in agree.items():

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from benchmarks.engine_speed import cpu_model
+from benchmarks.harness import cpu_model
 from router.router import Router
 from router.session import PrefixShare, RouterRequest
 from services.types import SamplingParams

@@ -23,7 +23,7 @@ import time
 import httpx
 import torch
 
-from benchmarks.engine_speed import cpu_model
+from benchmarks.harness import cpu_model
 from cluster.launcher import start_tiers
 from drafter_worker.main import drafter_service
 from drafter_worker.settings import DrafterSettings

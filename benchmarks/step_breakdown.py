@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks.engine_speed import cpu_model
+from benchmarks.harness import cpu_model
 from services.layers import RaggedLayout
 from services.loader import load_model
 from services.registry import resolve_model

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from benchmarks.engine_speed import cpu_model
+from benchmarks.harness import cpu_model
 from cluster.launcher import start_tier
 from drafter_worker.drafter import Drafter
 from drafter_worker.main import drafter_service

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from drafter_worker.formats import declared_method, mtp, read_config
+from drafter_worker.formats import declared_method, read_config, reader
 from services.errors import ModelLoadError
 from services.registry import resolve_model
 from services.settings import Settings
@@ -202,7 +202,7 @@ def checkpoint_method(model: str | None) -> str | None:
 def carries_mtp(model: str | None) -> bool:
     """Whether a target checkpoint holds a released MTP module (DeepSeek-V3 / Qwen3-Next config.json)."""
     try:
-        return model is not None and mtp.matches(read_config(Path(resolve_model(model)))) is not None
+        return model is not None and reader("mtp").matches(read_config(Path(resolve_model(model)))) is not None
     except ModelLoadError:  # not found or no config.json: the pool's own lookup reports it
         return False
 

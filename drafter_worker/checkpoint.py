@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Union
 
 import torch
 from safetensors.torch import save_file
@@ -19,8 +20,7 @@ from drafter_worker.block_model import BlockDraftModel
 from drafter_worker.calibration import Calibration
 from drafter_worker.chain_model import ChainDraftModel
 from drafter_worker.config import DrafterConfig
-from drafter_worker.formats import deepspec, detect, dflash, eagle3, mtp, read_config, read_tensors
-from drafter_worker.formats.mtp_model import MtpDraftModel
+from drafter_worker.formats import MTP_FORMATS, detect, read_config, read_tensors, reader
 from services.checkpoint import hf_config_dict
 from services.errors import ModelLoadError
 from services.loader import resolve_device, resolve_dtype
@@ -28,7 +28,10 @@ from services.model import CausalLM
 from services.model_config import ModelConfig
 from services.registry import resolve_model
 
-DraftModel = BlockDraftModel | ChainDraftModel | MtpDraftModel
+if TYPE_CHECKING:  # a released MTP module's model, imported only when one is loaded (formats.reader)
+    from drafter_worker.formats.mtp_model import MtpDraftModel
+
+DraftModel = Union[BlockDraftModel, ChainDraftModel, "MtpDraftModel"]
 def build_draft_model(dcfg: DrafterConfig, target: CausalLM, cfg: ModelConfig | None = None,
                       d2t: torch.Tensor | None = None) -> DraftModel:
     """A fresh draft model on the target's embedding (shared, frozen) and a frozen copy of its LM head — over a
@@ -65,7 +68,7 @@ def shared_names(model: DraftModel) -> tuple[str, ...]:
 
 def save_drafter(model: DraftModel, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
                  calibration: Calibration | None = None) -> Path:
-    if isinstance(model, MtpDraftModel):  # MLA / MoE layers have no place in dspark's own layout
+    if not isinstance(model, BlockDraftModel | ChainDraftModel):  # a released MTP module's MLA / MoE layers
         raise ModelLoadError("a released MTP module is served from its own checkpoint; it has no dspark layout")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -87,16 +90,14 @@ def drafter_config(model_dir: str | Path, fmt: str = "auto", target_layers: int 
     layer ids taps the engines' default ones); `convention`: how to read an EAGLE-3 head's layer ids."""
     raw, where = read_config(Path(model_dir)), str(model_dir)
     fmt = detect(raw, where, fmt)
-    if fmt == "deepspec":
-        return deepspec.drafter_config(raw, where)
-    if fmt in mtp.FORMATS:
-        return mtp.drafter_config(raw, where, target_layers)
+    if fmt == "deepspec" or fmt in MTP_FORMATS:
+        return reader(fmt).drafter_config(raw, where, *([target_layers] if fmt in MTP_FORMATS else []))
     if fmt in ("eagle3", "dflash") and target_layers is None:
         raise ModelLoadError(f"{where}: reading this drafter's default taps needs the target's layer count")
     if fmt == "eagle3":
-        return eagle3.drafter_config(raw, where, target_layers, convention)
+        return reader(fmt).drafter_config(raw, where, target_layers, convention)
     if fmt == "dflash":
-        return dflash.drafter_config(raw, where, target_layers)
+        return reader(fmt).drafter_config(raw, where, target_layers)
     if "dspark_drafter" not in raw:
         raise ModelLoadError(f"{model_dir}: not a drafter checkpoint (no dspark_drafter in config.json)")
     try:
@@ -113,8 +114,8 @@ def load_drafter(name_or_dir: str | Path, target: CausalLM, dtype: str | torch.d
     raw = read_config(model_dir)
     fmt = detect(raw, str(model_dir), fmt)
     dcfg = drafter_config(model_dir, fmt, target.config.num_hidden_layers, convention)
-    if fmt in mtp.FORMATS:  # a module inside the target family's checkpoint, with that family's layers
-        model, state = mtp.build(raw, model_dir, fmt, dcfg, target)
+    if fmt in MTP_FORMATS:  # a module inside the target family's checkpoint, with that family's layers
+        model, state = reader(fmt).build(raw, model_dir, fmt, dcfg, target)
         state = own_vocab_weights(state, target)
     else:
         model, state = _chain_or_block(raw, model_dir, fmt, dcfg, target)
@@ -154,11 +155,11 @@ def _chain_or_block(raw: dict, model_dir: Path, fmt: str, dcfg: DrafterConfig, t
     model = build_draft_model(dcfg, target, cfg)
     state = read_tensors(model_dir)
     if fmt == "deepspec":
-        state = own_vocab_weights(deepspec.rename(state, str(model_dir)), target)
+        state = own_vocab_weights(reader(fmt).rename(state, str(model_dir)), target)
     elif fmt == "eagle3":
-        state = own_vocab_weights(eagle3.rename(state, str(model_dir), target.config.vocab_size), target)
+        state = own_vocab_weights(reader(fmt).rename(state, str(model_dir), target.config.vocab_size), target)
     elif fmt == "dflash":
-        state = dflash.rename(state, str(model_dir))
+        state = reader(fmt).rename(state, str(model_dir))
     return model, state
 
 
@@ -168,7 +169,7 @@ def draft_model_config(raw: dict, model_dir: Path, fmt: str) -> ModelConfig:
     EAGLE-3 head is a Llama layer whatever its target)."""
     if fmt == "dspark":
         return ModelConfig.from_dir(model_dir)
-    if fmt == "eagle3" and not eagle3.is_deepspec(raw):
+    if fmt == "eagle3" and not reader(fmt).is_deepspec(raw):
         return ModelConfig.from_dict({**raw, "architectures": ["LlamaForCausalLM"]})
     return ModelConfig.from_dict({**raw, "architectures": []})  # the decoder of its model_type (services/model_config)
 

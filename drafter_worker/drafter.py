@@ -16,6 +16,7 @@ with a grammar (`constrain`) draft only what it allows (`constrained.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch._inductor.config as inductor_config
@@ -24,14 +25,16 @@ from drafter_worker import fused_block, fused_chain
 from drafter_worker.block_model import BlockDraftModel
 from drafter_worker.calibration import Calibration
 from drafter_worker.chain_model import ChainDraftModel
-from drafter_worker.constrained import Constraint, GrammarWalk, cut
 from drafter_worker.context_cache import ContextCache
 from drafter_worker.proposer import StatelessProposer
 from drafter_worker.speculation import Steering
-from services.grammar import RequestGrammar
 from services.packed_linear import pack_linears
 from services.sampling import logits_to_probs, truncate_to_sparse
 from services.types import DraftBlock, SamplingParams
+
+if TYPE_CHECKING:  # constrained drafting is imported when a request first drafts under a grammar
+    from drafter_worker.constrained import Constraint, GrammarWalk
+    from services.grammar import RequestGrammar
 
 
 @dataclass(slots=True)
@@ -97,6 +100,8 @@ class Drafter(StatelessProposer):
     def constrain(self, request_id: str, grammar: RequestGrammar, output_start: int) -> None:
         """Draft this request under `grammar`, whose state is at the start of the output: committed tokens from
         `output_start` on are its output (the ones before, its prompt)."""
+        from drafter_worker.constrained import Constraint
+
         self._constraints[request_id] = Constraint(grammar, output_start)
 
     @property
@@ -115,6 +120,8 @@ class Drafter(StatelessProposer):
             grammars.append(None if c is None else c.grammar)
         if not any(g is not None for g in grammars):
             return None
+        from drafter_worker.constrained import GrammarWalk
+
         if self._target_ids is None:  # the target id of each draft id, made at the first constrained block
             self._target_ids = self.model.to_target(torch.arange(self.model.draft_vocab, device=self.device))
         return GrammarWalk(grammars, self._target_ids)
@@ -158,6 +165,8 @@ class Drafter(StatelessProposer):
             tokens, q, conf, peaks = self.draft_chain(torch.stack([self.last_out(rid) for rid in ready]), anchor_pos,
                                                       *self.padded_context(ready), sampling, gamma, steer, walk)
         if walk is not None:
+            from drafter_worker.constrained import cut
+
             tokens, q, conf, peaks = cut(tokens, q, conf, peaks, walk.finish())
         for i, rid in enumerate(ready):
             q_ids, q_probs = (None, None) if q[i] is None else q[i]

@@ -16,14 +16,17 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from drafter_worker.ahead_window import AheadWindow
 from services.calls import AheadCall, DraftCall, OpenCall
 from services.errors import InvalidRequestError, StaleCycleError
-from services.grammar import GrammarTokenizer
 from services.lease import Lease
 from services.tier_loop import TierLoop
 from services.types import DraftBlock, DrafterLoad, Proposer, SamplingParams
+
+if TYPE_CHECKING:  # loaded when a request first drafts under a grammar
+    from services.grammar import GrammarTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +129,8 @@ class DrafterService(TierLoop):
             return
         try:
             if self._grammar is None:
+                from services.grammar import GrammarTokenizer
+
                 self._grammar = GrammarTokenizer(self.grammar_dir, self.limits.vocab_size)
             constrain(call.request_id, self._grammar.start(call.params.grammar), call.output_start)
         except InvalidRequestError as error:

@@ -81,28 +81,36 @@ class RouterMetrics:
         self.running = Gauge(PREFIX + "num_requests_running", "Requests in a session", labels, registry=r)
         self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests queued for a session", labels, registry=r)
         self.model = model
+        self._children: dict[tuple, object] = {}
+
+    def _of(self, metric, *values: str):
+        """`metric.labels(model, *values)`, looked up once: a cycle records about ten samples, and prometheus'
+        `labels` costs more than the sample (it was a tenth of an in-process cycle's loop time)."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(self.model, *values)
+        return child
 
     def cycle(self, verify_len: int, accepted: int) -> None:
-        m = self.model
-        self.verify_len.labels(m).observe(verify_len)
+        self._of(self.verify_len).observe(verify_len)
         if verify_len == 0:
             return
         for drafts, tokens, accepted_tokens, per_pos in ((self.num_drafts, self.num_draft_tokens,
                                                           self.num_accepted_tokens, self.accepted_per_pos), self.vllm):
-            drafts.labels(m).inc()
-            tokens.labels(m).inc(verify_len)
-            accepted_tokens.labels(m).inc(accepted)
+            self._of(drafts).inc()
+            self._of(tokens).inc(verify_len)
+            self._of(accepted_tokens).inc(accepted)
             for pos in range(accepted):
-                per_pos.labels(m, str(pos)).inc()
+                self._of(per_pos, str(pos)).inc()
 
     def ahead(self, hit: bool, accepted: int, fanout: int = 0) -> None:
         """A draft request after an ahead notice: answered from the cache (hit) or not; `accepted`: of a hit;
         `fanout`: the blocks the drafter had pre-drafted for the cycle's outcomes."""
-        m = self.model
-        (self.spec_cache_hits if hit else self.spec_cache_misses).labels(m).inc()
-        self.spec_cache_fanout.labels(m).observe(fanout)
+        self._of(self.spec_cache_hits if hit else self.spec_cache_misses).inc()
+        self._of(self.spec_cache_fanout).observe(fanout)
         for pos in range(accepted if hit else 0):
-            self.ahead_accepted_per_pos.labels(m, str(pos)).inc()
+            self._of(self.ahead_accepted_per_pos, str(pos)).inc()
 
     def totals(self) -> tuple[float, float]:
         """(cycles with drafts, accepted draft tokens) so far: τ = 1 + accepted / cycles."""
@@ -110,12 +118,11 @@ class RouterMetrics:
 
     def scheduled(self, drafted: int, verify_len: int, seconds: float, budget: int | None,
                   source: str | None) -> None:
-        m = self.model
-        self.trimmed_draft_tokens.labels(m).inc(drafted - verify_len)
-        self.scheduler_time.labels(m).observe(seconds)
+        self._of(self.trimmed_draft_tokens).inc(drafted - verify_len)
+        self._of(self.scheduler_time).observe(seconds)
         if budget is not None:
-            self.verify_budget.labels(m).observe(budget)
-            self.scheduler_cycles.labels(m, source).inc()
+            self._of(self.verify_budget).observe(budget)
+            self._of(self.scheduler_cycles, source).inc()
 
     def finished(self, reason: str, prompt_tokens: int, output_tokens: int, ttft_s: float, e2e_s: float) -> None:
         m = self.model

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
-from services.batching import StepTimer, compute_thread, gather_window
+from services.batching import InlineExecutor, StepTimer, compute_thread, gather_window
 from services.errors import TierUnavailableError
 
 
@@ -81,7 +81,10 @@ class TierLoop:
     async def compute(self, fn: Callable, *args):
         """`fn(*args)` in the compute thread, timed as one step (not counted when it raises)."""
         t0 = time.perf_counter()
-        result = await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+        if isinstance(self._compute, InlineExecutor):  # in process: no future to wrap, no loop turn to wait
+            result = fn(*args)
+        else:
+            result = await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
         self.timer.record((time.perf_counter() - t0) * 1000)
         return result
 

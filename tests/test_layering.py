@@ -112,6 +112,12 @@ def test_a_drafter_replica_loads_only_the_drafter_tier():
     tops = {m.split(".")[0] for m in loaded}
     assert tops == {"cluster", "drafter_worker", "protos", "services", "verifier_worker"}
     assert [m for m in loaded if m.startswith("verifier_worker.")] == ["verifier_worker.settings"]
+    # released formats' readers and constrained drafting load when a checkpoint or request needs them
+    assert [m for m in loaded if m.startswith("drafter_worker.formats.") or m in LOADED_ON_USE] == []
+    assert len(loaded) <= 67, len(loaded)  # 77 before the readers and grammar loaded on use
+
+
+LOADED_ON_USE = ("drafter_worker.constrained", "services.grammar", "services.tokenizer")
 
 
 def class_definitions(root: Path = ROOT) -> dict[str, list[str]]:

@@ -7,16 +7,24 @@ module turns its config into a `DrafterConfig` and its tensor names into dspark'
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from safetensors.torch import load_file
 
-from drafter_worker.formats import deepspec, dflash, eagle3, mtp
 from services.errors import ModelLoadError
 
-FORMATS = ("dspark", "deepspec", "eagle3", "dflash", *mtp.FORMATS)
+MTP_FORMATS = ("deepseek_mtp", "qwen3_next_mtp")  # MTP modules inside a target family's checkpoint
+FORMATS = ("dspark", "deepspec", "eagle3", "dflash", *MTP_FORMATS)
+
+
+def reader(fmt: str) -> ModuleType:
+    """The module that reads a released format, imported when a checkpoint of it is met: dspark's own
+    drafters (those shipped and served by default) load without any of them."""
+    return importlib.import_module(f"drafter_worker.formats.{'mtp' if fmt in MTP_FORMATS else fmt}")
 
 
 def read_config(model_dir: Path) -> dict:
@@ -31,13 +39,15 @@ def read_config(model_dir: Path) -> dict:
 
 def detect(raw: dict, where: str, forced: str = "auto") -> str:
     """The checkpoint's format: `forced` when given (and plausible), else from its config."""
-    found = next((name for name, test in (("dspark", lambda r: "dspark_drafter" in r), ("deepspec", deepspec.matches),
-                                          ("eagle3", eagle3.matches), ("dflash", dflash.matches)) if test(raw)),
-                 None) or mtp.matches(raw)
     if forced != "auto":
         if forced not in FORMATS:
             raise ModelLoadError(f"unknown drafter format {forced!r} (known: {', '.join(FORMATS)})")
         return forced
+    if "dspark_drafter" in raw:
+        return "dspark"
+    deepspec, eagle3, dflash = (reader(name) for name in ("deepspec", "eagle3", "dflash"))
+    found = next((name for name, test in (("deepspec", deepspec.matches), ("eagle3", eagle3.matches),
+                                          ("dflash", dflash.matches)) if test(raw)), None) or reader("mtp").matches(raw)
     if found is None:
         raise ModelLoadError(f"{where}: not a drafter checkpoint of a known format (architectures "
                              f"{raw.get('architectures')}; known: dspark's own config with dspark_drafter, "
@@ -54,7 +64,7 @@ def declared_method(raw: dict, where: str, forced: str = "auto") -> str:
         return str(raw.get("dspark_drafter", {}).get("method"))
     if fmt == "eagle3":
         return "eagle3"
-    if fmt in mtp.FORMATS:
+    if fmt in MTP_FORMATS:
         return "mtp"
     if fmt == "deepspec":
         return "dspark" if int(raw.get("markov_rank", 0)) > 0 else "dflash"

@@ -31,7 +31,6 @@ from drafter_worker.formats.mtp_model import MtpConfig, MtpDraftModel
 from drafter_worker.formats.mtp_moe import MoeDims
 from services.errors import ModelLoadError
 
-FORMATS = ("deepseek_mtp", "qwen3_next_mtp")
 _MODEL_TYPES = {"deepseek_v3": "deepseek_mtp", "qwen3_next": "qwen3_next_mtp"}
 _FP8 = (torch.float8_e4m3fn,)
 
