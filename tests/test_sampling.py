@@ -65,6 +65,24 @@ def test_a_rows_filter_does_not_depend_on_the_other_rows():
     assert (together[1] == 0).any() and (together[5] > 0).sum() < (together[3] > 0).sum()
 
 
+@pytest.mark.parametrize("vocab", [50, 4000, 262_144])
+def test_top_k_alone_selects_what_the_sort_does(monkeypatch, vocab):
+    """Top-k without top-p takes the k-th largest logit by a partial selection; the probabilities are the bits the
+    full sort gives, with ties at the k-th value kept and logits far below the top (probability 0 either way)."""
+    import services.sampling as sampling
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(8, vocab, generator=g) * torch.tensor([1.0, 3, 10, 30, 1, 1, 100, 1]).unsqueeze(-1)
+    logits[:, :7] = logits[:, 7:14]  # ties
+    logits[7] = -1e30
+    logits[7, 3] = 0.0
+    temperature, top_k = torch.rand(8, generator=g) + 0.2, torch.tensor([1, 2, 7, 8, 40, 64, 3, 5])
+    fast = logits_to_probs(logits, temperature, top_k, torch.ones(8))
+    monkeypatch.setattr(sampling, "_TOPK_AT_MOST", 0)  # every row through the sort
+    assert torch.equal(fast, logits_to_probs(logits, temperature, top_k, torch.ones(8)))
+    assert ((fast > 0).sum(-1) >= top_k.clamp(max=1)).all()
+
+
 def test_sparse_round_trip():
     probs = torch.softmax(torch.randn(3, 50), -1)
     ids, sparse = truncate_to_sparse(probs, 8)
