@@ -7,7 +7,11 @@ send the notices), so the ratio compares like with like in one run. Also reporte
 the drafts accepted per cycle of cached blocks against all cycles (from the router's metrics).
 
     python benchmarks/ahead.py [--methods dspark,dflash,eagle3] [--concurrency 1,2,4] [--temperature 0]
-                               [--max-tokens 64] [--rounds 3] [--budget 24] [--json PATH]
+                               [--max-tokens 64] [--rounds 3] [--budget 24] [--rtt-ms 0,1,5,20] [--json PATH]
+
+`--rtt-ms`: the router reaches the drafter through a user-space network path (`benchmarks/net_proxy.py`; this
+kernel has no netem) adding that round trip, one path per value (0: the proxy's own hop only, so every row pays
+the same relay and differs only by the delay); the verifier is reached directly.
 
 `--in-process`: the cache's quality alone, without timing: 12 eval prompts (4 per domain), the in-process
 router drafting and drafting ahead in turn, against the same drafter without the cache (τ, hit rate, drafts
@@ -26,6 +30,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import cpu_model
+from benchmarks.net_proxy import NetProxy
 from benchmarks.tier_overhead import PROMPTS
 from cluster.launcher import start_tier
 from drafter_worker.settings import DrafterSettings
@@ -122,6 +127,7 @@ def main() -> None:
     p.add_argument("--in-process", action="store_true", help="hit rate and acceptance only (no tiers, no timing)")
     p.add_argument("--pin", action="store_true", help="verifier on CPU 0, drafter on CPU 1 (the router floats)")
     p.add_argument("--steer", help="TOP,FACTOR: Saguaro sampling of the drafts of requests that draft ahead")
+    p.add_argument("--rtt-ms", help="added round trips between router and drafter, e.g. 0,1,5,20 (default: none)")
     args = p.parse_args()
     methods = args.methods.split(",")
     top, factor = args.steer.split(",") if args.steer else (0, 0.5)
@@ -144,19 +150,27 @@ def main() -> None:
                                                     ahead_budget=args.budget, steer_top=top, steer_factor=factor))
     tok = TextTokenizer.from_dir(resolve_model(TARGET))
     rows = []
+    paths = [None] if args.rtt_ms is None else [float(x) for x in args.rtt_ms.split(",")]
     try:
-        addresses = (verifier.address, drafter.address)
-        for method in methods:
-            for c in (int(x) for x in args.concurrency.split(",")):
-                runs = {False: [], True: []}
-                for r in range(args.rounds + 1):  # round 0 warms both arms up and is not counted
-                    for ahead in (False, True) if r % 2 == 0 else (True, False):
-                        out = asyncio.run(one_round(addresses, tok, method, c, ahead, args, f"{method}{c}{r}{ahead}"))
-                        if r > 0:
-                            runs[ahead].append(out)
-                row = _row(method, c, runs)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        for rtt in paths:
+            proxy = None if rtt is None else NetProxy(drafter.address, one_way_s=rtt / 2000)
+            addresses = (verifier.address, drafter.address if proxy is None else proxy.address)
+            try:
+                for method in methods:
+                    for c in (int(x) for x in args.concurrency.split(",")):
+                        runs = {False: [], True: []}
+                        for r in range(args.rounds + 1):  # round 0 warms both arms up and is not counted
+                            for ahead in (False, True) if r % 2 == 0 else (True, False):
+                                tag = f"{method}{c}{r}{ahead}{rtt}"
+                                out = asyncio.run(one_round(addresses, tok, method, c, ahead, args, tag))
+                                if r > 0:
+                                    runs[ahead].append(out)
+                        row = _row(method, c, runs) | ({} if rtt is None else {"rtt_ms": rtt})
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+            finally:
+                if proxy is not None:
+                    proxy.close()
     finally:
         verifier.stop()
         drafter.stop()

@@ -9,6 +9,7 @@ import grpc
 import pytest
 import torch
 
+from benchmarks.net_proxy import NetProxy
 from cluster.launcher import start_tier, start_tiers
 from drafter_worker.main import drafter_service
 from drafter_worker.service import LocalDrafter
@@ -87,6 +88,32 @@ def test_concurrent_mixed_requests_equal_in_process_plain_greedy(tiers, tokenize
     assert outputs == plain_greedy([r.prompt_ids for r in requests], [r.params.max_tokens for r in requests])
     assert accepted > 0  # the drafters really drafted over the wire
     assert load.running == 0 and load.kv_used == 0 and dload.contexts == 0  # every session released
+
+
+def test_latency_and_loss_between_the_router_and_each_tier_change_no_token(tiers, tokenizer):
+    """Each tier behind a path of 5 ms round trip and 2 % loss (a lost segment arrives a 200 ms retransmission
+    late, as TCP delivers it; benchmarks/net_proxy.py, this kernel having no netem): every request completes with
+    plain greedy's tokens, and every session is released."""
+    requests = _requests(tokenizer, 6)
+    paths = [NetProxy(tier.address, one_way_s=0.0025, loss=0.02, seed=i) for i, tier in enumerate(tiers)]
+
+    async def run():
+        verifier, drafter = GrpcVerifier(paths[0].address), GrpcDrafter(paths[1].address)
+        router = _router(verifier, drafter, tokenizer)
+        outputs = await asyncio.gather(*[_collect(router, r) for r in requests])
+        load, dload = await verifier.load(), await drafter.load()
+        await verifier.close()
+        await drafter.close()
+        return outputs, load, dload
+
+    try:
+        outputs, load, dload = asyncio.run(run())
+    finally:
+        for path in paths:
+            path.close()
+    assert outputs == plain_greedy([r.prompt_ids for r in requests], [r.params.max_tokens for r in requests])
+    assert load.running == 0 and dload.contexts == 0
+    assert all(path.stats.chunks > 0 for path in paths) and sum(path.stats.lost for path in paths) > 0
 
 
 def test_killing_the_drafter_mid_stream_keeps_every_request_exact(tiers, tokenizer):
