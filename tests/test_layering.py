@@ -137,3 +137,52 @@ def class_definitions(root: Path = ROOT) -> dict[str, list[str]]:
 def test_one_definition_per_class_name():
     """One name per idea: a class name means one thing in the whole project."""
     assert {name: where for name, where in class_definitions().items() if len(where) > 1} == {}
+
+
+def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Project module → the project modules it imports when it is loaded (its top-level statements, not a
+    `TYPE_CHECKING` block nor a function body; a package's own `__init__` reached on the way is not counted)."""
+    paths = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+             for package in ALLOWED for p in (root / package).rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        found = set()
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            for n in ast.walk(node) if isinstance(node, ast.If | ast.Try) else [node]:
+                if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module:
+                    found |= {f"{n.module}.{a.name}" if f"{n.module}.{a.name}" in paths else n.module for a in n.names}
+                elif isinstance(n, ast.Import):
+                    found |= {a.name for a in n.names}
+        graph[name] = found & set(paths)
+    return graph
+
+
+def import_loops(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each loop of modules that import each other at load time, as a path (depth-first, one per loop found)."""
+    loops, done, stack = [], set(), []
+
+    def visit(node: str) -> None:
+        if node in stack:
+            loops.append([*stack[stack.index(node):], node])
+            return
+        if node in done:
+            return
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            visit(dep)
+        stack.pop()
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node)
+    return loops
+
+
+def test_no_two_modules_import_each_other_at_load_time():
+    """Modules, not only packages: a loop (as `benchmarks/simulator/ahead.py` ⇄ `engine.py` was) works only in
+    the order Python happens to load it."""
+    assert import_loops(module_graph()) == []
+    planted = {"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}, "a.w": set()}
+    assert import_loops(planted) == [["a.x", "a.y", "a.z", "a.x"]]
