@@ -14,45 +14,18 @@ import contextlib
 import os
 import signal
 import socket
-import threading
 from collections.abc import Iterator
 
+from benchmarks.net_proxy import NetProxy
 
-class ChaosProxy:
-    """A loopback TCP proxy to `target` ("host:port") in its own thread and event loop."""
+
+class ChaosProxy(NetProxy):
+    """A loopback TCP proxy to `target` ("host:port") whose open connections can be reset (a path with no added
+    latency or loss: `benchmarks/net_proxy.py` relays the bytes)."""
 
     def __init__(self, target: str):
-        self.target_host, port = target.rsplit(":", 1)
-        self.target_port = int(port)
-        self._loop = asyncio.new_event_loop()
-        self._writers: set[asyncio.StreamWriter] = set()
+        super().__init__(target)
         self.cuts = 0
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        self._server = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._accept, "127.0.0.1", 0), self._loop).result(10)
-        self.address = f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection(self.target_host, self.target_port)
-        except OSError:
-            writer.close()
-            return
-        self._writers |= {writer, up_writer}
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            self._writers.discard(writer)
-            with contextlib.suppress(Exception):
-                writer.close()
 
     def cut(self) -> int:
         """Reset every open connection (RST, not FIN: the peers see an error, not an orderly close)."""
@@ -69,16 +42,6 @@ class ChaosProxy:
         cut = asyncio.run_coroutine_threadsafe(reset(), self._loop).result(10)
         self.cuts += cut
         return cut
-
-    def close(self) -> None:
-        async def shut() -> None:
-            self._server.close()
-            for writer in list(self._writers):
-                writer.transport.abort()
-
-        asyncio.run_coroutine_threadsafe(shut(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
 
 @contextlib.contextmanager
