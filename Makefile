@@ -8,7 +8,7 @@ PROMPT ?= def fibonacci(n):
 .PHONY: install serve test lint bench bench-tiers bench-policies bench-ray soak bench-overload results-serving data target-v2 \
 	data-deps test-deps drafters drafters-v2-cache drafters-v2 models acceptance image clean peer-check \
 	drafters-gemma-rollouts drafters-gemma-cache drafters-gemma drafters-gemma-more \
-	drafters-gemma-more-chain drafters-gemma-calibrate
+	drafters-gemma-more-chain drafters-gemma-calibrate bench-hosts
 
 $(BIN)/dspark: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,14 @@ bench-ray: $(BIN)/dspark
 # Ten minutes of mixed load on `dspark serve` (its own): RSS per process, errors, latency drift, leaks after the load.
 soak: $(BIN)/dspark
 	$(BIN)/python benchmarks/soak.py --duration 600 --out benchmarks/results/soak-cpu.json
+
+# Across hosts (root, iproute2): four network-namespace hosts, a verifier host partitioned for 10 s and one killed
+# mid-decode (requests lost, client errors, stalls, TPOT), then lock-step against drafting ahead with 0/1/5/20 ms
+# added between router and drafter. docs/reliability.md. About 6 min.
+bench-hosts: $(BIN)/dspark
+	$(BIN)/python -m tests.host_faults --json benchmarks/results/host-faults-cpu.json
+	$(BIN)/python benchmarks/ahead.py --methods dspark --concurrency 1,4 --rtt-ms 0,1,5,20 --rounds 3 --pin \
+		--json benchmarks/results/ahead-rtt-cpu.json
 
 # Peak completed throughput (closed-loop sweep), then 4x the saturating rate open loop against bounded queues. ~7 min.
 bench-overload: $(BIN)/dspark

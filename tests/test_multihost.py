@@ -125,7 +125,7 @@ def _stop(hosts: Hosts, serve: subprocess.Popen, names: list[str]) -> None:
 
 def test_served_across_three_hosts_with_pools_placed_by_resources(tmp_path):
     tok = TextTokenizer.from_dir(resolve_model(MODEL))
-    plain = InProcessRouter(make_engine(load_model(resolve_model(MODEL), "float32"), max_len=256)).generate(
+    plain = InProcessRouter(make_engine(load_model(resolve_model(MODEL), "auto"), max_len=256)).generate(  # as served
         [GenerationRequest("p", tok.encode(PROMPT), SamplingParams(max_tokens=24))])[0].token_ids
     with Hosts(["a", "b", "c"]) as hosts:
         head = hosts.address["a"]
@@ -151,3 +151,27 @@ def test_served_across_three_hosts_with_pools_placed_by_resources(tmp_path):
         board.terminate()
         _stop(hosts, serve, ["c", "b", "a"])
 
+
+
+def test_a_verifier_host_dies_mid_decode_and_no_request_is_lost(tmp_path):
+    """Four hosts (tests/host_faults.py): verifiers on B and D, the drafter on C. Eight streamed greedy requests
+    in flight, every process of B killed at once: each request on B re-prefills on D from its committed tokens,
+    and every request ends with plain greedy's text (bf16, as served), no client error."""
+    from tests import host_faults
+
+    tok = TextTokenizer.from_dir(resolve_model(MODEL))
+    engine = make_engine(load_model(resolve_model(MODEL), "auto"), max_len=256)
+    expected = [tok.decode(r.token_ids) for r in InProcessRouter(engine).generate(
+        [GenerationRequest(f"p{i}", tok.encode(p), SamplingParams(max_tokens=96), tok.eos_token_ids)
+         for i, p in enumerate(host_faults.PROMPTS)])]
+    with Hosts(["a", "b", "c", "d"]) as hosts:
+        head = hosts.address["a"]
+        hosts.run("a", ["redis-server", "--bind", head, "--port", str(BOARD_PORT), "--save", "", "--appendonly", "no",
+                        "--protected-mode", "no"], env=_env(hosts, "a"), stdout=subprocess.DEVNULL)
+        serve, api = host_faults.deploy(hosts, tmp_path)
+        try:
+            row = host_faults.one_fault(hosts, api, "kill", expected, 96, 0.5, tmp_path)
+        finally:
+            _stop(hosts, serve, ["c", "d", "b", "a"])
+    assert row["client_errors"] == [] and row["wrong"] == [] and row["lost"] == 0
+    assert row["reprefilled"] > 0  # B held some of them when it died

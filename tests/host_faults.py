@@ -1,0 +1,174 @@
+"""Faults a cluster has, across hosts ([6/6]): `python -m tests.host_faults` (`make bench-hosts`; root, iproute2).
+
+Four hosts as network namespaces (tests/netns_hosts.py): A runs the Ray head, the Redis board and `dspark serve`;
+B and D a verifier replica each; C the drafter replica. For each fault, 8 streamed greedy requests (DSpark drafts)
+are in flight when it strikes, each fault on a fresh deployment:
+
+- `partition`: B's link down for 10 s, then up (its requests time out after `verifier_timeout_s` and re-prefill
+  on D);
+- `kill`: every process of B killed at once (the host dies; D stays).
+
+Reported per fault, as JSON: requests lost (ended in an error or with other tokens than plain greedy), client
+errors, the slowest request's added stall (its longest gap between two chunks), and p50 / p99 time per output
+token. Numbers are printed, never asserted: this is a benchmark of the deployment, not a test of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from in_process.generation import GenerationRequest, InProcessRouter
+from services.loader import load_model
+from services.registry import resolve_model
+from services.tokenizer import TextTokenizer
+from services.types import SamplingParams
+from tests.conftest import make_engine
+from tests.netns_hosts import Hosts
+from tests.test_multihost import BOARD_PORT, MODEL, _certificates, _env, _get
+
+PROMPTS = ["def fibonacci(n):", "import os\n\n", "The capital of France is", "class Stack:\n", "for i in range(",
+           "SELECT name FROM", "def parse(text):", "Once upon a time"]
+CONFIG = """
+ray: {{address: "{head}:6379"}}
+pools:
+  verifier: {{replicas: 2, min_replicas: 2, num_cpus: 1, resources: {{verifier_host: 1}}}}
+  drafter: {{replicas: 1, min_replicas: 1, num_cpus: 1, resources: {{drafter_host: 1}}}}
+router: {{host: "{head}", port: 8000, redis_url: "{board}", verifier_timeout_s: 3, replica_down_s: 5}}
+verifier: {{redis_url: "{board}"}}
+drafter: {{redis_url: "{board}"}}
+tls: {{cert: "{tls}/cert.pem", key: "{tls}/key.pem", ca: "{tls}/ca.pem", client_auth: true}}
+"""
+
+
+def stream(api: str, prompt: str, tokens: int) -> dict:
+    """One streamed completion → its text, chunk arrival times and error (None when it completed)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
+    text, stamps, started = "", [], time.monotonic()
+    try:
+        with httpx.stream("POST", api + "/v1/completions", json=body, timeout=120) as reply:
+            if reply.status_code != 200:
+                return {"text": text, "stamps": stamps, "started": started, "error": f"HTTP {reply.status_code}"}
+            for line in reply.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return {"text": text, "stamps": stamps, "started": started, "error": chunk["error"]}
+                text += chunk["choices"][0]["text"]
+                stamps.append(time.monotonic())
+    except httpx.HTTPError as error:
+        return {"text": text, "stamps": stamps, "started": started, "error": repr(error)}
+    return {"text": text, "stamps": stamps, "started": started, "error": None}
+
+
+def reprefills(api: str) -> float:
+    """The router's count of sessions re-prefilled after losing their verifier (`/metrics`)."""
+    text = httpx.get(api + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("dspark:verifier_reprefills_total"))
+
+
+def one_fault(hosts: Hosts, api: str, fault: str, expected: list[str], tokens: int, delay_s: float,
+              out: Path) -> dict:
+    before = reprefills(api)
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = [pool.submit(stream, api, p, tokens) for p in PROMPTS]
+        time.sleep(delay_s)  # the requests are mid-decode
+        struck = time.monotonic()
+        if fault == "none":  # the baseline: the same requests, nothing fails
+            pass
+        elif fault == "partition":
+            hosts.partition("b")
+            time.sleep(10)
+            hosts.heal("b")
+        else:
+            hosts.kill("b")
+        results = [f.result() for f in futures]
+    (out / f"{fault}.json").write_text(json.dumps([r["text"] for r in results]))
+    wrong = [i for i, (r, want) in enumerate(zip(results, expected, strict=True))
+             if r["error"] is None and r["text"] != want]
+    errors = [r["error"] for r in results if r["error"] is not None]
+    gaps = [max(b - a for a, b in itertools.pairwise(r["stamps"])) for r in results if len(r["stamps"]) > 1]
+    tpot = [(r["stamps"][-1] - r["stamps"][0]) / (len(r["stamps"]) - 1) for r in results if len(r["stamps"]) > 1]
+    return {"fault": fault, "requests": len(results), "lost": len(wrong) + len(errors), "wrong": wrong,
+            "client_errors": errors, "reprefilled": reprefills(api) - before,
+            "struck_after_s": round(struck - min(r["started"] for r in results), 2),
+            "longest_stall_s": round(max(gaps), 2) if gaps else None,
+            "tpot_p50_s": round(statistics.median(tpot), 3) if tpot else None,
+            "tpot_p99_s": round(max(tpot), 3) if tpot else None}
+
+
+def deploy(hosts: Hosts, out: Path) -> tuple[subprocess.Popen, str]:
+    head = hosts.address["a"]
+    start = ["ray", "start", "--disable-usage-stats", "--num-cpus=2"]
+    hosts.exec("a", [*start, "--head", f"--node-ip-address={head}", "--port=6379", "--include-dashboard=false"],
+               env=_env(hosts, "a"), timeout=120)
+    for host, resource in (("b", "verifier_host"), ("d", "verifier_host"), ("c", "drafter_host")):
+        hosts.exec(host, [*start, f"--address={head}:6379", f"--node-ip-address={hosts.address[host]}",
+                          f"--resources={json.dumps({resource: 1})}"], env=_env(hosts, host), timeout=120)
+    config = hosts.scratch / "a" / "serve.yaml"
+    config.write_text(CONFIG.format(head=head, board=f"redis://{head}:{BOARD_PORT}", tls=_certificates(hosts)))
+    log = (out / "serve.log").open("w")
+    serve = hosts.run("a", ["dspark", "serve", "--config", str(config)], env=_env(hosts, "a"), stdout=log,
+                      stderr=subprocess.STDOUT)
+    api, deadline = f"http://{head}:8000", time.monotonic() + 300
+    while time.monotonic() < deadline and serve.poll() is None:
+        log_text = (out / "serve.log").read_text()
+        if all(f"verifier replica verifier-{i} joined" in log_text for i in (0, 1)):
+            try:
+                _get(api + "/health")
+                return serve, api
+            except OSError:
+                pass
+        time.sleep(2)
+    raise SystemExit("dspark serve did not come up:\n" + (out / "serve.log").read_text()[-3000:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--faults", default="none,partition,kill")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--delay-s", type=float, default=0.5, help="how long after the requests start the fault strikes")
+    p.add_argument("--out", type=Path, default=Path("build/host-faults"))
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    tok = TextTokenizer.from_dir(resolve_model(MODEL))
+    engine = make_engine(load_model(resolve_model(MODEL), "auto"), max_len=256)  # the dtype served
+    expected = [tok.decode(r.token_ids) for r in InProcessRouter(engine).generate(
+        [GenerationRequest(f"p{i}", tok.encode(prompt), SamplingParams(max_tokens=args.tokens), tok.eos_token_ids)
+         for i, prompt in enumerate(PROMPTS)])]
+    (args.out / "expected.json").write_text(json.dumps(expected))
+    rows = []
+    for fault in args.faults.split(","):  # each on a fresh deployment: a fault leaves the pools changed
+        with Hosts(["a", "b", "c", "d"]) as hosts:
+            head = hosts.address["a"]
+            hosts.run("a", ["redis-server", "--bind", head, "--port", str(BOARD_PORT), "--save", "", "--appendonly",
+                            "no", "--protected-mode", "no"], env=_env(hosts, "a"), stdout=subprocess.DEVNULL)
+            serve, api = deploy(hosts, args.out)
+            try:
+                row = one_fault(hosts, api, fault, expected, args.tokens, args.delay_s, args.out)
+                rows.append(row)
+                sys.stdout.write(json.dumps(row) + "\n")
+                sys.stdout.flush()
+            finally:
+                serve.terminate()
+                serve.wait(timeout=60)
+                for host in ("c", "d", "b", "a"):
+                    hosts.exec(host, ["ray", "stop", "--force"], env=_env(hosts, host), check=False, timeout=60)
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
