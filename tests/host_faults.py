@@ -34,7 +34,7 @@ from services.tokenizer import TextTokenizer
 from services.types import SamplingParams
 from tests.conftest import make_engine
 from tests.netns_hosts import Hosts
-from tests.test_multihost import BOARD_PORT, MODEL, _certificates, _env, _get
+from tests.test_multihost import BOARD_PORT, MODEL, _board, _certificates, _env, _get
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n", "The capital of France is", "class Stack:\n", "for i in range(",
            "SELECT name FROM", "def parse(text):", "Once upon a time"]
@@ -152,9 +152,7 @@ def main() -> None:
     rows = []
     for fault in args.faults.split(","):  # each on a fresh deployment: a fault leaves the pools changed
         with Hosts(["a", "b", "c", "d"]) as hosts:
-            head = hosts.address["a"]
-            hosts.run("a", ["redis-server", "--bind", head, "--port", str(BOARD_PORT), "--save", "", "--appendonly",
-                            "no", "--protected-mode", "no"], env=_env(hosts, "a"), stdout=subprocess.DEVNULL)
+            _board(hosts)
             serve, api = deploy(hosts, args.out)
             try:
                 row = one_fault(hosts, api, fault, expected, args.tokens, args.delay_s, args.out)

@@ -82,6 +82,13 @@ def _env(hosts: Hosts, host: str) -> dict[str, str]:
             "RAY_TMPDIR": str(hosts.scratch / host)}
 
 
+def _board(hosts: Hosts) -> subprocess.Popen:
+    """The load board: a Redis on A's address (no persistence), ended with the hosts."""
+    return hosts.run("a", ["redis-server", "--bind", hosts.address["a"], "--port", str(BOARD_PORT), "--save", "",
+                           "--appendonly", "no", "--protected-mode", "no"], env=_env(hosts, "a"),
+                     stdout=subprocess.DEVNULL)
+
+
 def _get(url: str, body: dict | None = None, timeout: float = 2.0) -> dict:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
@@ -130,9 +137,7 @@ def test_served_across_three_hosts_with_pools_placed_by_resources(tmp_path):
     with Hosts(["a", "b", "c"]) as hosts:
         head = hosts.address["a"]
         tls = _certificates(hosts)
-        board = hosts.run("a", ["redis-server", "--bind", head, "--port", str(BOARD_PORT), "--save", "",
-                                "--appendonly", "no", "--protected-mode", "no"], env=_env(hosts, "a"),
-                          stdout=subprocess.DEVNULL)
+        board = _board(hosts)
         serve, api = _deploy(hosts, tmp_path, CONFIG.format(head=head, board=f"redis://{head}:{BOARD_PORT}", tls=tls),
                              {"b": "verifier_host", "c": "drafter_host"})
         text = (tmp_path / "serve.log").read_text()
@@ -165,9 +170,7 @@ def test_a_verifier_host_dies_mid_decode_and_no_request_is_lost(tmp_path):
         [GenerationRequest(f"p{i}", tok.encode(p), SamplingParams(max_tokens=96), tok.eos_token_ids)
          for i, p in enumerate(host_faults.PROMPTS)])]
     with Hosts(["a", "b", "c", "d"]) as hosts:
-        head = hosts.address["a"]
-        hosts.run("a", ["redis-server", "--bind", head, "--port", str(BOARD_PORT), "--save", "", "--appendonly", "no",
-                        "--protected-mode", "no"], env=_env(hosts, "a"), stdout=subprocess.DEVNULL)
+        _board(hosts)
         serve, api = host_faults.deploy(hosts, tmp_path)
         try:
             row = host_faults.one_fault(hosts, api, "kill", expected, 96, 0.5, tmp_path)
