@@ -26,6 +26,7 @@ from pathlib import Path
 from benchmarks.harness import (
     DATASETS,
     DRAFTERS,
+    FORWARD_SIZES,
     Stopping,
     alternate,
     drafter_dirs,
@@ -42,8 +43,6 @@ from drafter_worker.drafter import Drafter
 from router.scheduling.policy import Policy
 from verifier_worker.engine import Engine, EngineConfig
 from verifier_worker.profile import profile_sps
-
-FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 class TimedProposer:

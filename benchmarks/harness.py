@@ -35,6 +35,7 @@ DATASETS = Path(__file__).parent / "datasets" / "v2"
 DOMAINS = ("code", "math", "chat")
 SUFFIXES = {"mtp1": "mtp", "eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark"}  # arm → drafter dir suffix
 DRAFTERS = {arm: f"dspark-target-{suffix}" for arm, suffix in SUFFIXES.items()}  # the shipped target's drafters
+FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)  # new tokens per forward: decode, verify blocks, prefill chunks
 
 
 def cpu_model() -> str:

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import (
+    FORWARD_SIZES,
     Stopping,
     alternate,
     forward_ms,
@@ -176,7 +177,6 @@ class HfPeer:
 
 AGREEMENT_PROMPTS = ("def fibonacci(n):", "The capital of France is", "import numpy as np\n\n",
                      "Once upon a time", "SELECT name FROM users WHERE", "The derivative of x^2 is")
-FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def main() -> None:

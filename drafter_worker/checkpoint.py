@@ -90,8 +90,10 @@ def drafter_config(model_dir: str | Path, fmt: str = "auto", target_layers: int 
     layer ids taps the engines' default ones); `convention`: how to read an EAGLE-3 head's layer ids."""
     raw, where = read_config(Path(model_dir)), str(model_dir)
     fmt = detect(raw, where, fmt)
-    if fmt == "deepspec" or fmt in MTP_FORMATS:
-        return reader(fmt).drafter_config(raw, where, *([target_layers] if fmt in MTP_FORMATS else []))
+    if fmt == "deepspec":
+        return reader(fmt).drafter_config(raw, where)
+    if fmt in MTP_FORMATS:
+        return reader(fmt).drafter_config(raw, where, target_layers)
     if fmt in ("eagle3", "dflash") and target_layers is None:
         raise ModelLoadError(f"{where}: reading this drafter's default taps needs the target's layer count")
     if fmt == "eagle3":

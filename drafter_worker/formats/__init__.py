@@ -45,10 +45,10 @@ def detect(raw: dict, where: str, forced: str = "auto") -> str:
         return forced
     if "dspark_drafter" in raw:
         return "dspark"
-    deepspec, eagle3, dflash = (reader(name) for name in ("deepspec", "eagle3", "dflash"))
-    found = next((name for name, test in (("deepspec", deepspec.matches), ("eagle3", eagle3.matches),
-                                          ("dflash", dflash.matches)) if test(raw)), None) or reader("mtp").matches(raw)
+    found = next((name for name in ("deepspec", "eagle3", "dflash") if reader(name).matches(raw)), None)
+    found = found or reader("mtp").matches(raw)
     if found is None:
+        deepspec, eagle3, dflash = (reader(name) for name in ("deepspec", "eagle3", "dflash"))
         raise ModelLoadError(f"{where}: not a drafter checkpoint of a known format (architectures "
                              f"{raw.get('architectures')}; known: dspark's own config with dspark_drafter, "
                              "num_nextn_predict_layers with model_type deepseek_v3 / qwen3_next (MTP), "
