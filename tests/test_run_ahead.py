@@ -97,10 +97,14 @@ def test_greedy_with_the_drafter_ahead_equals_plain(target, method):
 @pytest.mark.slow
 @pytest.mark.parametrize("ahead,steering", [(False, None), (True, None), (True, Steering(2, 0.3))],
                          ids=["lock-step", "plain", "steered"])
-def test_sampling_with_the_drafter_ahead_keeps_the_target_distribution(ahead, steering):
+def test_sampling_with_the_drafter_ahead_keeps_the_target_distribution(ahead, steering, monkeypatch):
     """χ² of the 2nd and 3rd tokens with cached blocks verified against the q they were drawn from (with
     Saguaro sampling: the steered q'); lock-step, the DSpark drafter's own sampled block (the one-call Markov
-    kernel), whose q' once repeated an id past a small draft vocabulary and failed here at p ≈ 1e-83."""
+    kernel), whose q' once repeated an id past a small draft vocabulary and failed here at p ≈ 1e-83.
+    Each speculation drafts at least its first piece (`probe_every=1`): where a piece for 64 requests outlasts
+    the 30 ms step, the window would draft ahead only every 16th cycle (CI once saw 49 hits of 1,012 cycles).
+    How many hits there are still depends on the machine's speed (87 to 207 in runs on an AVX2 EPYC)."""
+    monkeypatch.setattr("drafter_worker.service.AheadWindow", lambda: AheadWindow(probe_every=1))
     model = make_model(vocab=VOCAB, layers=1, hidden=32, seed=5, taps=(0,))
     torch.manual_seed(0)
     drafter = Drafter(draft_model_for(model))
@@ -111,7 +115,7 @@ def test_sampling_with_the_drafter_ahead_keeps_the_target_distribution(ahead, st
     router = InProcessRouter(SlowSteps(engine, 0.03) if ahead else engine, proposer, Policy.FIXED, gamma=1)
     results = router.generate(requests)
     assert sum(r.accepted_tokens for r in results) > 0 and sum(r.draft_tokens - r.accepted_tokens for r in results) > 0
-    assert not ahead or proposer.cache.stats.hits > 100
+    assert not ahead or proposer.cache.stats.hits > 20  # blocks drafted ahead were verified
     p2, p3 = _marginals(model)
     assert token_p_value(p2, [r.token_ids[1] for r in results]) > 1e-3
     assert token_p_value(p3, [r.token_ids[2] for r in results]) > 1e-3
