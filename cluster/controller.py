@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.autoscaler import Autoscaler, ScaleEvent, pool_signal
 from cluster.ray_pools import ActorPool
@@ -137,9 +138,14 @@ def _state(r) -> str:
 
 
 def create(settings: ServeSettings):
-    """The controller actor of this deployment (owned by the caller: it dies with it)."""
+    """The controller actor of this deployment (owned by the caller: it dies with it), on the caller's own node:
+    wherever Ray would put it, a node dying would take the deployment's state with it, and the node of the
+    `dspark serve` process takes the API with it anyway. (A router away from the Ray head serves on through a
+    restart of the head's host: tests/host_faults.py.)"""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return ray.remote(Controller).options(name=CONTROLLER, namespace=settings.ray.namespace, num_cpus=0,
-                                          max_restarts=0).remote(settings.model_dump(mode="json"))
+                                          max_restarts=0, scheduling_strategy=here
+                                          ).remote(settings.model_dump(mode="json"))
 
 
 class RayDiscovery:

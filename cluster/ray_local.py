@@ -47,7 +47,7 @@ def connect(s: RaySettings) -> bool:
     if s.address:
         import ray
 
-        ray.init(address=s.address, namespace=s.namespace)
+        ray.init(address=s.address, namespace=s.namespace, _node_ip_address=s.node_ip_address)
         return False
     if "ray" not in sys.modules:
         use_loopback()

@@ -50,6 +50,9 @@ class RaySettings(Settings):
     address: str | None = Field(None, description="join this Ray cluster (auto, host:port, ray://...); null: "
                                 "start a local instance on 127.0.0.1")
     namespace: str = Field("dspark", description="Ray namespace of the named actors (controller, replicas)")
+    node_ip_address: str | None = Field(None, description="with `address`: this node's address in the cluster, "
+                                        "as its `ray start --node-ip-address` says, where the machine has several "
+                                        "(null: Ray picks a Ray node of this machine, the head if it runs here)")
     num_cpus: int | None = Field(None, ge=1, description="logical CPUs of a local instance (null: the machine's)")
 
 

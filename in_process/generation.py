@@ -21,7 +21,7 @@ from in_process.results import GenerationRequest, GenerationResult, ResultTally
 from router.router import Router, RouterConfig
 from router.scheduling.planner import VerifyPlanner
 from router.scheduling.policy import Policy
-from router.session import RouterRequest, Speculation
+from router.session import PrefixShare, RouterRequest, Speculation
 from services.batching import InlineExecutor, compute_thread
 from services.types import DraftBlock, Proposer, StepOutput, VerifierProfile
 from verifier_worker.engine import Engine
@@ -59,6 +59,9 @@ class InProcessRouter:
                  ) -> list[GenerationResult]:
         """Serve all requests side by side (continuous batching in the tiers); results in the order of `requests`.
         From a thread that runs an event loop, the run gets a thread of its own."""
+        prompts = {r.request_id: r.prompt_ids for r in requests}
+        if any(r.sample_of and prompts.get(r.sample_of) != r.prompt_ids for r in requests):
+            raise ValueError("a sample's `sample_of` must name a request of this run with the same prompt")
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -90,8 +93,10 @@ class InProcessRouter:
         if drafter is not None:
             await drafter.start(compute_thread() if self.ahead else InlineExecutor())
         router = self._router(verifier, drafter, tallies, len(requests))
+        shares = {r.sample_of: PrefixShare(r.sample_of) for r in requests if r.sample_of}
         try:
-            results = await asyncio.gather(*(self._one(router, tallies[r.request_id], on_tokens) for r in requests))
+            results = await asyncio.gather(*(self._one(router, tallies[r.request_id], on_tokens,
+                                                       shares.get(r.sample_of or r.request_id)) for r in requests))
         finally:
             await verifier.stop()
             if drafter is not None:
@@ -122,9 +127,12 @@ class InProcessRouter:
         return getattr(config, "num_slots", None) or 1 << 30
 
     @staticmethod
-    async def _one(router: Router, tally: ResultTally, on_tokens: TokenCallback | None) -> GenerationResult:
+    async def _one(router: Router, tally: ResultTally, on_tokens: TokenCallback | None,
+                   share: PrefixShare | None) -> GenerationResult:
+        """`share`: the samples of one prompt copy their leader's prefill (`GenerationRequest.sample_of`)."""
         req = tally.request
-        served = RouterRequest(req.prompt_ids, req.params, req.request_id, stop_token_ids=req.stop_token_ids)
+        served = RouterRequest(req.prompt_ids, req.params, req.request_id, stop_token_ids=req.stop_token_ids,
+                               prefix=share)
         async for chunk in router.generate(served):
             tally.chunk(chunk)
             if chunk.token_ids and on_tokens is not None:

@@ -16,6 +16,7 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: tuple[int, ...] = ()
+    sample_of: str = ""  # one of n samples of a prompt: the id of the sample that prefills it (the API's `n`)
 
 
 @dataclass(slots=True)

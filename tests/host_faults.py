@@ -1,12 +1,15 @@
 """Faults a cluster has, across hosts ([6/6]): `python -m tests.host_faults` (`make bench-hosts`; root, iproute2).
 
-Four hosts as network namespaces (tests/netns_hosts.py): A runs the Ray head, the Redis board and `dspark serve`;
-B and D a verifier replica each; C the drafter replica. For each fault, 8 streamed greedy requests (DSpark drafts)
-are in flight when it strikes, each fault on a fresh deployment:
+Four hosts as network namespaces (tests/netns_hosts.py): A runs the Ray head alone, its GCS kept in a Redis on D
+(Ray's GCS fault tolerance); B and D a verifier replica each; C the drafter replica; D also `dspark serve` (the
+router, the controller pinned to its node) and the Redis load board. For each fault, 8 streamed greedy requests
+(DSpark drafts) are in flight when it strikes, each fault on a fresh deployment:
 
 - `partition`: B's link down for 10 s, then up (its requests time out after `verifier_timeout_s` and re-prefill
   on D);
-- `kill`: every process of B killed at once (the host dies; D stays).
+- `kill`: every process of B killed at once (the host dies; D stays);
+- `head-restart`: every process of A killed at once, and 5 s later `ray start --head` again on A, as a restarted
+  machine's init would (the GCS reloads the cluster from D's Redis; replicas and router never stop serving).
 
 Reported per fault, as JSON: requests lost (ended in an error or with other tokens than plain greedy), client
 errors, the slowest request's added stall (its longest gap between two chunks), and p50 / p99 time per output
@@ -19,6 +22,7 @@ import argparse
 import concurrent.futures
 import itertools
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,16 +38,19 @@ from services.tokenizer import TextTokenizer
 from services.types import SamplingParams
 from tests.conftest import make_engine
 from tests.netns_hosts import Hosts
-from tests.test_multihost import BOARD_PORT, MODEL, _board, _certificates, _env, _get
+from tests.test_multihost import BOARD_PORT, MODEL, _board, _certificates, _env, _get, _redis
+
+ROUTER = "d"  # the host of `dspark serve` and both Redis instances: not the head's, which may restart
+GCS_PORT = 6391  # the GCS's store (Ray's GCS fault tolerance), a Redis of its own beside the board
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n", "The capital of France is", "class Stack:\n", "for i in range(",
            "SELECT name FROM", "def parse(text):", "Once upon a time"]
 CONFIG = """
-ray: {{address: "{head}:6379"}}
+ray: {{address: "{head}:6379", node_ip_address: "{router}"}}
 pools:
   verifier: {{replicas: 2, min_replicas: 2, num_cpus: 1, resources: {{verifier_host: 1}}}}
   drafter: {{replicas: 1, min_replicas: 1, num_cpus: 1, resources: {{drafter_host: 1}}}}
-router: {{host: "{head}", port: 8000, redis_url: "{board}", verifier_timeout_s: 3, replica_down_s: 5}}
+router: {{host: "{router}", port: 8000, redis_url: "{board}", verifier_timeout_s: 3, replica_down_s: 5}}
 verifier: {{redis_url: "{board}"}}
 drafter: {{redis_url: "{board}"}}
 tls: {{cert: "{tls}/cert.pem", key: "{tls}/key.pem", ca: "{tls}/ca.pem", client_auth: true}}
@@ -80,7 +87,7 @@ def reprefills(api: str) -> float:
 
 def one_fault(hosts: Hosts, api: str, fault: str, expected: list[str], tokens: int, delay_s: float,
               out: Path) -> dict:
-    before = reprefills(api)
+    before, extra = reprefills(api), {}
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         futures = [pool.submit(stream, api, p, tokens) for p in PROMPTS]
         time.sleep(delay_s)  # the requests are mid-decode
@@ -91,9 +98,15 @@ def one_fault(hosts: Hosts, api: str, fault: str, expected: list[str], tokens: i
             hosts.partition("b")
             time.sleep(10)
             hosts.heal("b")
-        else:
+        elif fault == "kill":
             hosts.kill("b")
+        else:
+            reboot("a", hosts)
+            time.sleep(5)
+            extra = {"head_back_s": round(start_head(hosts) - struck, 2)}
         results = [f.result() for f in futures]
+    if fault == "head-restart":
+        extra["cluster_back_s"] = round(cluster_back(hosts) - struck, 2)
     (out / f"{fault}.json").write_text(json.dumps([r["text"] for r in results]))
     wrong = [i for i, (r, want) in enumerate(zip(results, expected, strict=True))
              if r["error"] is None and r["text"] != want]
@@ -105,23 +118,59 @@ def one_fault(hosts: Hosts, api: str, fault: str, expected: list[str], tokens: i
             "struck_after_s": round(struck - min(r["started"] for r in results), 2),
             "longest_stall_s": round(max(gaps), 2) if gaps else None,
             "tpot_p50_s": round(statistics.median(tpot), 3) if tpot else None,
-            "tpot_p99_s": round(max(tpot), 3) if tpot else None}
+            "tpot_p99_s": round(max(tpot), 3) if tpot else None, **extra}
+
+
+RAY_START = ["ray", "start", "--disable-usage-stats", "--num-cpus=2"]
+
+
+def reboot(host: str, hosts: Hosts) -> None:
+    """The host goes down as a restarted machine does: every process killed at once, its temp directory empty
+    (Ray's included) when it comes back. Not only for realism: `ray start --head` refuses an address its temp
+    directory names while a process on the machine carries `--gcs-address` with it, and the hosts here share
+    one process table, where every worker host's raylet carries it."""
+    hosts.kill(host)
+    shutil.rmtree(hosts.scratch / host)
+    (hosts.scratch / host).mkdir()
+
+
+def start_head(hosts: Hosts) -> float:
+    """`ray start --head` on A, its GCS stored in D's Redis → when it returned (monotonic seconds)."""
+    env = {**_env(hosts, "a"), "RAY_REDIS_ADDRESS": f"{hosts.address[ROUTER]}:{GCS_PORT}"}
+    hosts.exec("a", [*RAY_START, "--head", f"--node-ip-address={hosts.address['a']}", "--port=6379",
+                     "--include-dashboard=false"], env=env, timeout=120)
+    return time.monotonic()
+
+
+def cluster_back(hosts: Hosts, timeout_s: float = 120) -> float:
+    """Wait until the restarted head knows the cluster again (`ray status` from the router's host lists the
+    verifier and drafter nodes) → when (monotonic seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = hosts.exec(ROUTER, ["ray", "status", f"--address={hosts.address['a']}:6379"],
+                            env=_env(hosts, ROUTER), check=False, timeout=60)
+        if status.returncode == 0 and "verifier_host" in status.stdout and "drafter_host" in status.stdout:
+            return time.monotonic()
+        time.sleep(1)
+    raise AssertionError("the restarted head never saw the cluster again")
 
 
 def deploy(hosts: Hosts, out: Path) -> tuple[subprocess.Popen, str]:
-    head = hosts.address["a"]
-    start = ["ray", "start", "--disable-usage-stats", "--num-cpus=2"]
-    hosts.exec("a", [*start, "--head", f"--node-ip-address={head}", "--port=6379", "--include-dashboard=false"],
-               env=_env(hosts, "a"), timeout=120)
+    """The Redis instances on D, the Ray head on A, workers on B, C, D, `dspark serve` on D → (serve, API URL)."""
+    _board(hosts, ROUTER)
+    _redis(hosts, ROUTER, GCS_PORT)
+    head, router = hosts.address["a"], hosts.address[ROUTER]
+    start_head(hosts)
     for host, resource in (("b", "verifier_host"), ("d", "verifier_host"), ("c", "drafter_host")):
-        hosts.exec(host, [*start, f"--address={head}:6379", f"--node-ip-address={hosts.address[host]}",
+        hosts.exec(host, [*RAY_START, f"--address={head}:6379", f"--node-ip-address={hosts.address[host]}",
                           f"--resources={json.dumps({resource: 1})}"], env=_env(hosts, host), timeout=120)
-    config = hosts.scratch / "a" / "serve.yaml"
-    config.write_text(CONFIG.format(head=head, board=f"redis://{head}:{BOARD_PORT}", tls=_certificates(hosts)))
+    config = hosts.scratch / ROUTER / "serve.yaml"
+    config.write_text(CONFIG.format(head=head, router=router, board=f"redis://{router}:{BOARD_PORT}",
+                                    tls=_certificates(hosts)))
     log = (out / "serve.log").open("w")
-    serve = hosts.run("a", ["dspark", "serve", "--config", str(config)], env=_env(hosts, "a"), stdout=log,
+    serve = hosts.run(ROUTER, ["dspark", "serve", "--config", str(config)], env=_env(hosts, ROUTER), stdout=log,
                       stderr=subprocess.STDOUT)
-    api, deadline = f"http://{head}:8000", time.monotonic() + 300
+    api, deadline = f"http://{router}:8000", time.monotonic() + 300
     while time.monotonic() < deadline and serve.poll() is None:
         log_text = (out / "serve.log").read_text()
         if all(f"verifier replica verifier-{i} joined" in log_text for i in (0, 1)):
@@ -136,7 +185,7 @@ def deploy(hosts: Hosts, out: Path) -> tuple[subprocess.Popen, str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--faults", default="none,partition,kill")
+    p.add_argument("--faults", default="none,partition,kill,head-restart")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--delay-s", type=float, default=0.5, help="how long after the requests start the fault strikes")
     p.add_argument("--out", type=Path, default=Path("build/host-faults"))
@@ -152,7 +201,6 @@ def main() -> None:
     rows = []
     for fault in args.faults.split(","):  # each on a fresh deployment: a fault leaves the pools changed
         with Hosts(["a", "b", "c", "d"]) as hosts:
-            _board(hosts)
             serve, api = deploy(hosts, args.out)
             try:
                 row = one_fault(hosts, api, fault, expected, args.tokens, args.delay_s, args.out)

@@ -48,6 +48,10 @@ def _generate(model, prompts, params, proposer=None, observer=None, gamma=7):
     engine = make_engine(model, num_slots=min(64, len(prompts)), max_len=160, max_batch_tokens=1024,
                          max_waiting=4096)
     requests = [GenerationRequest(f"r{i}", p, SamplingParams(**params, seed=i)) for i, p in enumerate(prompts)]
+    return _run(engine, requests, proposer, observer, gamma)
+
+
+def _run(engine, requests, proposer=None, observer=None, gamma=7):
     router = (InProcessRouter(engine, proposer, Policy.FIXED, gamma, observer=observer) if proposer
               else InProcessRouter(engine))
     return router.generate(requests)
@@ -105,8 +109,11 @@ def test_sampled_speculative_output_keeps_the_target_distribution(targets, tok, 
     model = targets[SERVED]
     prompt = tok.encode(PROMPTS[1])
     draft_model, calibration = load_drafter(f"{MODEL}-{method}", model, SERVED)
-    n = 256
-    results = _generate(model, [prompt] * n, {"max_tokens": 3, **SAMPLED}, Drafter(draft_model, calibration))
+    n = 256  # samples of one prompt, all at once, copying the first one's prefill (the API's `n`)
+    engine = make_engine(model, num_slots=n, max_len=len(prompt) + 16, max_batch_tokens=2048, max_waiting=n)
+    requests = [GenerationRequest(f"r{i}", prompt, SamplingParams(max_tokens=3, seed=i, **SAMPLED), sample_of="r0")
+                for i in range(n)]
+    results = _run(engine, requests, Drafter(draft_model, calibration))
     assert sum(r.accepted_tokens for r in results) > 0
     assert sum(r.draft_tokens - r.accepted_tokens for r in results) > 0  # rejections too: the rule is exercised
     p2, p3 = marginals

@@ -1,10 +1,10 @@
-"""Deployed as a user would, across hosts ([6/6]): three hosts as network namespaces (tests/netns_hosts.py), `ray
-start --head` on A, `ray start --address` on B and C with a custom resource each, `dspark serve` on A with the
-verifier pool placed on B and the drafter pool on C by those resources, the API reached at A's address, the load
-board a Redis on A. Every gRPC hop between hosts is mutual TLS (certificates issued for the hosts' addresses by a
-test CA): a replica refuses a plaintext peer and a TLS peer without a client certificate. The replicas serve from
-their hosts' addresses, publish their load to A's board, and the served greedy output (DSpark drafting) is plain
-greedy output."""
+"""Deployed as a user would, across hosts ([6/6]): four hosts as network namespaces (tests/netns_hosts.py), `ray
+start --head` on A, `ray start --address` on B, C and D with a custom resource each, `dspark serve` on A with the
+verifier pool placed on B and D and the drafter pool on C by those resources (tests/host_faults.py: `deploy`), the
+API reached at A's address, the load board a Redis on A. Every gRPC hop between hosts is mutual TLS (certificates
+issued for the hosts' addresses by a test CA): a replica refuses a plaintext peer and a TLS peer without a client
+certificate. The replicas serve from their hosts' addresses, publish their load to A's board, and the served greedy
+output (DSpark drafting) is plain greedy output, also when a verifier host dies mid-decode."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -35,16 +34,6 @@ pytestmark = [pytest.mark.slow,
 VENV = Path(sys.executable).parent
 MODEL, PROMPT = "dspark-target", "def fibonacci(n):"
 BOARD_PORT = 6390
-CONFIG = """
-ray: {{address: "{head}:6379"}}
-pools:
-  verifier: {{replicas: 1, min_replicas: 1, num_cpus: 1, resources: {{verifier_host: 1}}}}
-  drafter: {{replicas: 1, min_replicas: 1, num_cpus: 1, resources: {{drafter_host: 1}}}}
-router: {{host: "{head}", port: 8000, redis_url: "{board}"}}
-verifier: {{redis_url: "{board}"}}
-drafter: {{redis_url: "{board}"}}
-tls: {{cert: "{tls}/cert.pem", key: "{tls}/key.pem", ca: "{tls}/ca.pem", client_auth: true}}
-"""
 
 
 def _certificates(hosts: Hosts) -> Path:
@@ -82,11 +71,16 @@ def _env(hosts: Hosts, host: str) -> dict[str, str]:
             "RAY_TMPDIR": str(hosts.scratch / host)}
 
 
-def _board(hosts: Hosts) -> subprocess.Popen:
-    """The load board: a Redis on A's address (no persistence), ended with the hosts."""
-    return hosts.run("a", ["redis-server", "--bind", hosts.address["a"], "--port", str(BOARD_PORT), "--save", "",
-                           "--appendonly", "no", "--protected-mode", "no"], env=_env(hosts, "a"),
+def _redis(hosts: Hosts, host: str, port: int) -> subprocess.Popen:
+    """A Redis on `host`'s address (no persistence: it lives as long as its host), ended with the hosts."""
+    return hosts.run(host, ["redis-server", "--bind", hosts.address[host], "--port", str(port), "--save", "",
+                            "--appendonly", "no", "--protected-mode", "no"], env=_env(hosts, host),
                      stdout=subprocess.DEVNULL)
+
+
+def _board(hosts: Hosts, host: str) -> subprocess.Popen:
+    """The load board on `host`."""
+    return _redis(hosts, host, BOARD_PORT)
 
 
 def _get(url: str, body: dict | None = None, timeout: float = 2.0) -> dict:
@@ -96,33 +90,6 @@ def _get(url: str, body: dict | None = None, timeout: float = 2.0) -> dict:
         return json.loads(r.read() or b"{}")
 
 
-def _deploy(hosts: Hosts, tmp_path: Path, config_text: str, workers: dict[str, str]
-            ) -> tuple[subprocess.Popen, str]:
-    """`ray start --head` on A, `ray start --address` on each worker host with its resource, `dspark serve --config`
-    on A → the serve process and the API's URL, once /health answers."""
-    head = hosts.address["a"]
-    start = ["ray", "start", "--disable-usage-stats", "--num-cpus=2"]
-    hosts.exec("a", [*start, "--head", f"--node-ip-address={head}", "--port=6379", "--include-dashboard=false"],
-               env=_env(hosts, "a"), timeout=120)
-    for host, resource in workers.items():
-        hosts.exec(host, [*start, f"--address={head}:6379", f"--node-ip-address={hosts.address[host]}",
-                          f"--resources={json.dumps({resource: 4})}"], env=_env(hosts, host), timeout=120)
-    config = hosts.scratch / "a" / "serve.yaml"
-    config.write_text(config_text)
-    log = (tmp_path / "serve.log").open("w")
-    serve = hosts.run("a", ["dspark", "serve", "--config", str(config)], env=_env(hosts, "a"), stdout=log,
-                      stderr=subprocess.STDOUT)
-    api = f"http://{head}:8000"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and serve.poll() is None:
-        try:
-            _get(api + "/health")
-            return serve, api
-        except OSError:
-            time.sleep(2)
-    raise AssertionError("dspark serve did not come up:\n" + (tmp_path / "serve.log").read_text()[-3000:])
-
-
 def _stop(hosts: Hosts, serve: subprocess.Popen, names: list[str]) -> None:
     serve.terminate()
     serve.wait(timeout=60)
@@ -130,51 +97,52 @@ def _stop(hosts: Hosts, serve: subprocess.Popen, names: list[str]) -> None:
         hosts.exec(host, ["ray", "stop", "--force"], env=_env(hosts, host), check=False, timeout=60)
 
 
-def test_served_across_three_hosts_with_pools_placed_by_resources(tmp_path):
-    tok = TextTokenizer.from_dir(resolve_model(MODEL))
-    plain = InProcessRouter(make_engine(load_model(resolve_model(MODEL), "auto"), max_len=256)).generate(  # as served
-        [GenerationRequest("p", tok.encode(PROMPT), SamplingParams(max_tokens=24))])[0].token_ids
-    with Hosts(["a", "b", "c"]) as hosts:
-        head = hosts.address["a"]
-        tls = _certificates(hosts)
-        board = _board(hosts)
-        serve, api = _deploy(hosts, tmp_path, CONFIG.format(head=head, board=f"redis://{head}:{BOARD_PORT}", tls=tls),
-                             {"b": "verifier_host", "c": "drafter_host"})
-        text = (tmp_path / "serve.log").read_text()
-        assert f"verifier replica verifier-0 joined at {hosts.address['b']}:" in text
-        assert f"drafter replica drafter-0 joined at {hosts.address['c']}:" in text
-        out = _get(api + "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0},
-                   timeout=120)
-        assert out["choices"][0]["text"] == tok.decode(plain)
-        verifier = text.split("verifier replica verifier-0 joined at ")[1].split()[0].rstrip(",;.")
-        ca, key, cert = ((tls / name).read_bytes() for name in ("ca.pem", "key.pem", "cert.pem"))
-        assert _health(verifier, None) == "UNAVAILABLE"  # a plaintext peer gets no answer
-        assert _health(verifier, grpc.ssl_channel_credentials(ca)) == "UNAVAILABLE"  # nor one without a client cert
-        assert _health(verifier, grpc.ssl_channel_credentials(ca, key, cert)) == "SERVING"
-        published = redis.Redis(head, BOARD_PORT).keys("*load:*")
-        assert any(b":verifier:" in k for k in published) and any(b":drafter:" in k for k in published), published
-        board.terminate()
-        _stop(hosts, serve, ["c", "b", "a"])
-
-
-
-def test_a_verifier_host_dies_mid_decode_and_no_request_is_lost(tmp_path):
-    """Four hosts (tests/host_faults.py): verifiers on B and D, the drafter on C. Eight streamed greedy requests
-    in flight, every process of B killed at once: each request on B re-prefills on D from its committed tokens,
-    and every request ends with plain greedy's text (bf16, as served), no client error."""
+def test_served_across_hosts_through_a_verifier_host_dying_and_the_head_restarting(tmp_path):
+    """One deployment as a user would run it (tests/host_faults.py: the Ray head alone on A, its GCS stored in a
+    Redis on D; verifiers on B and D, the drafter on C; router, controller and board on D), then two faults.
+    Placement: each replica joined from its own host's address. mTLS: a replica refuses a plaintext peer and a
+    TLS peer without a client certificate. The board: every replica publishes its load to D's Redis. Served: a
+    completion equals plain greedy (bf16, as served). A host dies: eight streamed greedy requests are in flight
+    when every process of B is killed at once; each request on B re-prefills on D from its committed tokens. The
+    head's host restarts: eight more are in flight when every process of A is killed and, 5 s later, the head
+    started again; the GCS reloads the cluster and nothing stops serving. Every request of both ends with plain
+    greedy's text, no client error. (One deployment for all of it: a deployment across hosts costs about half a
+    minute to start.)"""
     from tests import host_faults
 
     tok = TextTokenizer.from_dir(resolve_model(MODEL))
-    engine = make_engine(load_model(resolve_model(MODEL), "auto"), max_len=256)
+    engine = make_engine(load_model(resolve_model(MODEL), "auto"), max_len=256)  # the dtype served
     expected = [tok.decode(r.token_ids) for r in InProcessRouter(engine).generate(
         [GenerationRequest(f"p{i}", tok.encode(p), SamplingParams(max_tokens=96), tok.eos_token_ids)
          for i, p in enumerate(host_faults.PROMPTS)])]
     with Hosts(["a", "b", "c", "d"]) as hosts:
-        _board(hosts)
         serve, api = host_faults.deploy(hosts, tmp_path)
         try:
-            row = host_faults.one_fault(hosts, api, "kill", expected, 96, 0.5, tmp_path)
+            text = (tmp_path / "serve.log").read_text()
+            joined = {line.split(" joined at ")[0].rsplit(" ", 1)[1]: line.split(" joined at ")[1].split()[0]
+                      for line in text.splitlines() if " replica " in line and " joined at " in line}
+            assert {joined["verifier-0"].split(":")[0], joined["verifier-1"].split(":")[0]} == {
+                hosts.address["b"], hosts.address["d"]}, joined
+            assert joined["drafter-0"].startswith(hosts.address["c"] + ":"), joined
+            verifier = joined["verifier-0"].rstrip(",;.")
+            tls = hosts.scratch / "tls"
+            ca, key, cert = ((tls / name).read_bytes() for name in ("ca.pem", "key.pem", "cert.pem"))
+            assert _health(verifier, None) == "UNAVAILABLE"  # a plaintext peer gets no answer
+            assert _health(verifier, grpc.ssl_channel_credentials(ca)) == "UNAVAILABLE"  # nor one without a cert
+            assert _health(verifier, grpc.ssl_channel_credentials(ca, key, cert)) == "SERVING"
+            published = redis.Redis(hosts.address[host_faults.ROUTER], BOARD_PORT).keys("*load:*")
+            assert any(b":verifier:" in k for k in published) and any(b":drafter:" in k for k in published)
+            out = _get(api + "/v1/completions", {"model": MODEL, "prompt": host_faults.PROMPTS[0], "max_tokens": 96,
+                                                 "temperature": 0}, timeout=120)
+            assert out["choices"][0]["text"] == expected[0]
+            killed = host_faults.one_fault(hosts, api, "kill", expected, 96, 0.5, tmp_path)
+            restarted = host_faults.one_fault(hosts, api, "head-restart", expected, 96, 0.5, tmp_path)
+            after = _get(api + "/v1/completions", {"model": MODEL, "prompt": host_faults.PROMPTS[1],
+                                                   "max_tokens": 96, "temperature": 0}, timeout=120)
+            assert after["choices"][0]["text"] == expected[1]  # served on after the head came back
         finally:
             _stop(hosts, serve, ["c", "d", "b", "a"])
-    assert row["client_errors"] == [] and row["wrong"] == [] and row["lost"] == 0
-    assert row["reprefilled"] > 0  # B held some of them when it died
+    assert killed["client_errors"] == [] and killed["wrong"] == [] and killed["lost"] == 0
+    assert killed["reprefilled"] > 0  # B held some of them when it died
+    assert restarted["client_errors"] == [] and restarted["wrong"] == [] and restarted["lost"] == 0, restarted
+    assert restarted["reprefilled"] == 0  # the head is on no request's path
