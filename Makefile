@@ -52,9 +52,9 @@ bench-ray: $(BIN)/dspark
 soak: $(BIN)/dspark
 	$(BIN)/python benchmarks/soak.py --duration 600 --out benchmarks/results/soak-cpu.json
 
-# Across hosts (root, iproute2): four network-namespace hosts, a verifier host partitioned for 10 s and one killed
-# mid-decode (requests lost, client errors, stalls, TPOT), then lock-step against drafting ahead with 0/1/5/20 ms
-# added between router and drafter. docs/reliability.md. About 6 min.
+# Across hosts (root, iproute2): four network-namespace hosts, a verifier host partitioned for 10 s, one killed
+# mid-decode, the Ray head's host restarted (requests lost, client errors, stalls, TPOT), then lock-step against
+# drafting ahead with 0/1/5/20 ms added between router and drafter. docs/reliability.md. About 8 min.
 bench-hosts: $(BIN)/dspark
 	$(BIN)/python -m tests.host_faults --json benchmarks/results/host-faults-cpu.json
 	$(BIN)/python benchmarks/ahead.py --methods dspark --concurrency 1,4 --rtt-ms 0,1,5,20 --rounds 3 --pin \

@@ -47,7 +47,8 @@ def connect(s: RaySettings) -> bool:
     if s.address:
         import ray
 
-        ray.init(address=s.address, namespace=s.namespace, _node_ip_address=s.node_ip_address)
+        ray.init(address=s.address, namespace=s.namespace, _node_ip_address=s.node_ip_address,
+                 log_to_driver=s.log_to_driver)
         return False
     if "ray" not in sys.modules:
         use_loopback()
