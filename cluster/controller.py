@@ -138,10 +138,10 @@ def _state(r) -> str:
 
 
 def create(settings: ServeSettings):
-    """The controller actor of this deployment (owned by the caller: it dies with it), on the caller's own node:
-    wherever Ray would put it, a node dying would take the deployment's state with it, and the node of the
-    `dspark serve` process takes the API with it anyway. (A router away from the Ray head serves on through a
-    restart of the head's host: tests/host_faults.py.)"""
+    """The controller actor of this deployment (owned by the caller: it dies with it), on the caller's own node.
+    Placed elsewhere (Ray may pick the head), that node's death would take the controller and with it every
+    replica (its children), while the `dspark serve` node's death ends the API anyway. So a router off the Ray
+    head serves on through a restart of the head's host (tests/host_faults.py)."""
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return ray.remote(Controller).options(name=CONTROLLER, namespace=settings.ray.namespace, num_cpus=0,
                                           max_restarts=0, scheduling_strategy=here

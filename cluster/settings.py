@@ -54,7 +54,7 @@ class RaySettings(Settings):
                                         "as its `ray start --node-ip-address` says, where the machine has several "
                                         "(null: Ray picks a Ray node of this machine, the head if it runs here)")
     log_to_driver: bool = Field(False, description="with `address`: print the cluster's actor logs here too. Off "
-                                "by default: a driver that does busy-polls the GCS while the head is down (Ray "
+                                "by default: a driver that prints them busy-polls the GCS while the head is down (Ray "
                                 "2.60: 1.5 cores of the router's process, every token 5 x slower); the logs stay "
                                 "in Ray's log files (`ray logs`)")
     num_cpus: int | None = Field(None, ge=1, description="logical CPUs of a local instance (null: the machine's)")
