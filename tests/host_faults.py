@@ -22,14 +22,17 @@ import argparse
 import concurrent.futures
 import itertools
 import json
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import httpx
+import trustme
 
 from in_process.generation import GenerationRequest, InProcessRouter
 from services.loader import load_model
@@ -38,7 +41,10 @@ from services.tokenizer import TextTokenizer
 from services.types import SamplingParams
 from tests.conftest import make_engine
 from tests.netns_hosts import Hosts
-from tests.test_multihost import BOARD_PORT, MODEL, _board, _certificates, _env, _get, _redis
+
+VENV = Path(sys.executable).parent
+MODEL = "dspark-target"
+BOARD_PORT = 6390
 
 ROUTER = "d"  # the host of `dspark serve` and both Redis instances: not the head's, which may restart
 GCS_PORT = 6391  # the GCS's store (Ray's GCS fault tolerance), a Redis of its own beside the board
@@ -55,6 +61,49 @@ verifier: {{redis_url: "{board}"}}
 drafter: {{redis_url: "{board}"}}
 tls: {{cert: "{tls}/cert.pem", key: "{tls}/key.pem", ca: "{tls}/ca.pem", client_auth: true}}
 """
+
+
+def certificates(hosts: Hosts) -> Path:
+    """A test CA and one certificate for every host's address (each end presents it, as server and as client)."""
+    ca = trustme.CA()
+    cert = ca.issue_cert(*hosts.address.values())
+    out = hosts.scratch / "tls"
+    out.mkdir()
+    ca.cert_pem.write_to_path(str(out / "ca.pem"))
+    cert.private_key_pem.write_to_path(str(out / "key.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(out / "cert.pem"))
+    for pem in cert.cert_chain_pems[1:]:
+        pem.write_to_path(str(out / "cert.pem"), append=True)
+    return out
+
+
+def env(hosts: Hosts, host: str) -> dict[str, str]:
+    # Not the test process's loopback-only Ray mode; each host its own Ray directory, the machine's HOME (the CPU
+    # kernels built once)
+    base = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    return {**base, "PATH": f"{VENV}:/usr/bin:/bin", "RAY_AUTH_MODE": "disabled",
+            "RAY_TMPDIR": str(hosts.scratch / host)}
+
+
+def redis_server(hosts: Hosts, host: str, port: int) -> subprocess.Popen:
+    """A Redis on `host`'s address (no persistence: it lives as long as its host), ended with the hosts."""
+    return hosts.run(host, ["redis-server", "--bind", hosts.address[host], "--port", str(port), "--save", "",
+                            "--appendonly", "no", "--protected-mode", "no"], env=env(hosts, host),
+                     stdout=subprocess.DEVNULL)
+
+
+def get(url: str, body: dict | None = None, timeout: float = 2.0) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"{}")
+
+
+def stop(hosts: Hosts, serve: subprocess.Popen, names: list[str]) -> None:
+    serve.terminate()
+    serve.wait(timeout=60)
+    for host in names:
+        hosts.exec(host, ["ray", "stop", "--force"], env=env(hosts, host), check=False, timeout=60)
 
 
 def stream(api: str, prompt: str, tokens: int) -> dict:
@@ -85,8 +134,13 @@ def reprefills(api: str) -> float:
                if line.startswith("dspark:verifier_reprefills_total"))
 
 
+FAULTS = ("none", "partition", "kill", "head-restart")
+
+
 def one_fault(hosts: Hosts, api: str, fault: str, expected: list[str], tokens: int, delay_s: float,
               out: Path) -> dict:
+    if fault not in FAULTS:
+        raise ValueError(f"unknown fault {fault!r}; choose from {', '.join(FAULTS)}")
     before, extra = reprefills(api), {}
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         futures = [pool.submit(stream, api, p, tokens) for p in PROMPTS]
@@ -100,7 +154,7 @@ def one_fault(hosts: Hosts, api: str, fault: str, expected: list[str], tokens: i
             hosts.heal("b")
         elif fault == "kill":
             hosts.kill("b")
-        else:
+        elif fault == "head-restart":
             reboot("a", hosts)
             time.sleep(5)
             extra = {"head_back_s": round(start_head(hosts) - struck, 2)}
@@ -136,9 +190,9 @@ def reboot(host: str, hosts: Hosts) -> None:
 
 def start_head(hosts: Hosts) -> float:
     """`ray start --head` on A, its GCS stored in D's Redis → when it returned (monotonic seconds)."""
-    env = {**_env(hosts, "a"), "RAY_REDIS_ADDRESS": f"{hosts.address[ROUTER]}:{GCS_PORT}"}
+    head_env = {**env(hosts, "a"), "RAY_REDIS_ADDRESS": f"{hosts.address[ROUTER]}:{GCS_PORT}"}
     hosts.exec("a", [*RAY_START, "--head", f"--node-ip-address={hosts.address['a']}", "--port=6379",
-                     "--include-dashboard=false"], env=env, timeout=120)
+                     "--include-dashboard=false"], env=head_env, timeout=120)
     return time.monotonic()
 
 
@@ -148,7 +202,7 @@ def cluster_back(hosts: Hosts, timeout_s: float = 120) -> float:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         status = hosts.exec(ROUTER, ["ray", "status", f"--address={hosts.address['a']}:6379"],
-                            env=_env(hosts, ROUTER), check=False, timeout=60)
+                            env=env(hosts, ROUTER), check=False, timeout=60)
         if status.returncode == 0 and "verifier_host" in status.stdout and "drafter_host" in status.stdout:
             return time.monotonic()
         time.sleep(1)
@@ -157,25 +211,25 @@ def cluster_back(hosts: Hosts, timeout_s: float = 120) -> float:
 
 def deploy(hosts: Hosts, out: Path) -> tuple[subprocess.Popen, str]:
     """The Redis instances on D, the Ray head on A, workers on B, C, D, `dspark serve` on D → (serve, API URL)."""
-    _board(hosts, ROUTER)
-    _redis(hosts, ROUTER, GCS_PORT)
+    redis_server(hosts, ROUTER, BOARD_PORT)  # the load board
+    redis_server(hosts, ROUTER, GCS_PORT)
     head, router = hosts.address["a"], hosts.address[ROUTER]
     start_head(hosts)
     for host, resource in (("b", "verifier_host"), ("d", "verifier_host"), ("c", "drafter_host")):
         hosts.exec(host, [*RAY_START, f"--address={head}:6379", f"--node-ip-address={hosts.address[host]}",
-                          f"--resources={json.dumps({resource: 1})}"], env=_env(hosts, host), timeout=120)
+                          f"--resources={json.dumps({resource: 1})}"], env=env(hosts, host), timeout=120)
     config = hosts.scratch / ROUTER / "serve.yaml"
     config.write_text(CONFIG.format(head=head, router=router, board=f"redis://{router}:{BOARD_PORT}",
-                                    tls=_certificates(hosts)))
+                                    tls=certificates(hosts)))
     log = (out / "serve.log").open("w")
-    serve = hosts.run(ROUTER, ["dspark", "serve", "--config", str(config)], env=_env(hosts, ROUTER), stdout=log,
+    serve = hosts.run(ROUTER, ["dspark", "serve", "--config", str(config)], env=env(hosts, ROUTER), stdout=log,
                       stderr=subprocess.STDOUT)
     api, deadline = f"http://{router}:8000", time.monotonic() + 300
     while time.monotonic() < deadline and serve.poll() is None:
         log_text = (out / "serve.log").read_text()
         if all(f"verifier replica verifier-{i} joined" in log_text for i in (0, 1)):
             try:
-                _get(api + "/health")
+                get(api + "/health")
                 return serve, api
             except OSError:
                 pass
@@ -185,7 +239,7 @@ def deploy(hosts: Hosts, out: Path) -> tuple[subprocess.Popen, str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--faults", default="none,partition,kill,head-restart")
+    p.add_argument("--faults", default=",".join(FAULTS))
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--delay-s", type=float, default=0.5, help="how long after the requests start the fault strikes")
     p.add_argument("--out", type=Path, default=Path("build/host-faults"))
@@ -208,10 +262,7 @@ def main() -> None:
                 sys.stdout.write(json.dumps(row) + "\n")
                 sys.stdout.flush()
             finally:
-                serve.terminate()
-                serve.wait(timeout=60)
-                for host in ("c", "d", "b", "a"):
-                    hosts.exec(host, ["ray", "stop", "--force"], env=_env(hosts, host), check=False, timeout=60)
+                stop(hosts, serve, ["c", "d", "b", "a"])
     if args.json:
         args.json.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
 

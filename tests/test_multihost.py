@@ -1,24 +1,17 @@
 """Deployed as a user would, across hosts ([6/6]): four hosts as network namespaces (tests/netns_hosts.py), `ray
-start --head` on A, `ray start --address` on B, C and D with a custom resource each, `dspark serve` on A with the
-verifier pool placed on B and D and the drafter pool on C by those resources (tests/host_faults.py: `deploy`), the
-API reached at A's address, the load board a Redis on A. Every gRPC hop between hosts is mutual TLS (certificates
-issued for the hosts' addresses by a test CA): a replica refuses a plaintext peer and a TLS peer without a client
-certificate. The replicas serve from their hosts' addresses, publish their load to A's board, and the served greedy
-output (DSpark drafting) is plain greedy output, also when a verifier host dies mid-decode."""
+start --head` on A (its GCS kept in a Redis on D), `ray start --address` on B, C and D with a custom resource each,
+`dspark serve` on D with the verifier pool placed on B and D and the drafter pool on C by those resources
+(tests/host_faults.py: `deploy`), the API reached at D's address, the load board a Redis on D. Every gRPC hop
+between hosts is mutual TLS (certificates issued for the hosts' addresses by a test CA): a replica refuses a
+plaintext peer and a TLS peer without a client certificate. The replicas serve from their hosts' addresses,
+publish their load to D's board, and the served greedy output (DSpark drafting) is plain greedy output, also when
+a verifier host dies mid-decode and when the head's host restarts."""
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-import urllib.request
-from pathlib import Path
 
 import grpc
 import pytest
 import redis
-import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from in_process.generation import GenerationRequest, InProcessRouter
@@ -26,28 +19,13 @@ from services.loader import load_model
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
 from services.types import SamplingParams
+from tests import host_faults
 from tests.conftest import make_engine
+from tests.host_faults import BOARD_PORT, MODEL, get, stop
 from tests.netns_hosts import Hosts, available
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not available(), reason="needs root and iproute2 (the CI machine has both)")]
-VENV = Path(sys.executable).parent
-MODEL, PROMPT = "dspark-target", "def fibonacci(n):"
-BOARD_PORT = 6390
-
-
-def _certificates(hosts: Hosts) -> Path:
-    """A test CA and one certificate for every host's address (each end presents it, as server and as client)."""
-    ca = trustme.CA()
-    cert = ca.issue_cert(*hosts.address.values())
-    out = hosts.scratch / "tls"
-    out.mkdir()
-    ca.cert_pem.write_to_path(str(out / "ca.pem"))
-    cert.private_key_pem.write_to_path(str(out / "key.pem"))
-    cert.cert_chain_pems[0].write_to_path(str(out / "cert.pem"))
-    for pem in cert.cert_chain_pems[1:]:
-        pem.write_to_path(str(out / "cert.pem"), append=True)
-    return out
 
 
 def _health(address: str, credentials: grpc.ChannelCredentials | None) -> str:
@@ -63,40 +41,6 @@ def _health(address: str, credentials: grpc.ChannelCredentials | None) -> str:
         channel.close()
 
 
-def _env(hosts: Hosts, host: str) -> dict[str, str]:
-    # Not the test process's loopback-only Ray mode; each host its own Ray directory, the machine's HOME (the CPU
-    # kernels built once)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
-    return {**env, "PATH": f"{VENV}:/usr/bin:/bin", "RAY_AUTH_MODE": "disabled",
-            "RAY_TMPDIR": str(hosts.scratch / host)}
-
-
-def _redis(hosts: Hosts, host: str, port: int) -> subprocess.Popen:
-    """A Redis on `host`'s address (no persistence: it lives as long as its host), ended with the hosts."""
-    return hosts.run(host, ["redis-server", "--bind", hosts.address[host], "--port", str(port), "--save", "",
-                            "--appendonly", "no", "--protected-mode", "no"], env=_env(hosts, host),
-                     stdout=subprocess.DEVNULL)
-
-
-def _board(hosts: Hosts, host: str) -> subprocess.Popen:
-    """The load board on `host`."""
-    return _redis(hosts, host, BOARD_PORT)
-
-
-def _get(url: str, body: dict | None = None, timeout: float = 2.0) -> dict:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read() or b"{}")
-
-
-def _stop(hosts: Hosts, serve: subprocess.Popen, names: list[str]) -> None:
-    serve.terminate()
-    serve.wait(timeout=60)
-    for host in names:
-        hosts.exec(host, ["ray", "stop", "--force"], env=_env(hosts, host), check=False, timeout=60)
-
-
 def test_served_across_hosts_through_a_verifier_host_dying_and_the_head_restarting(tmp_path):
     """One deployment as a user would run it (tests/host_faults.py: the Ray head alone on A, its GCS stored in a
     Redis on D; verifiers on B and D, the drafter on C; router, controller and board on D), then two faults.
@@ -108,8 +52,6 @@ def test_served_across_hosts_through_a_verifier_host_dying_and_the_head_restarti
     started again; the GCS reloads the cluster and nothing stops serving. Every request of both ends with plain
     greedy's text, no client error. (One deployment for all of it: a deployment across hosts costs about half a
     minute to start.)"""
-    from tests import host_faults
-
     tok = TextTokenizer.from_dir(resolve_model(MODEL))
     engine = make_engine(load_model(resolve_model(MODEL), "auto"), max_len=256)  # the dtype served
     expected = [tok.decode(r.token_ids) for r in InProcessRouter(engine).generate(
@@ -132,16 +74,16 @@ def test_served_across_hosts_through_a_verifier_host_dying_and_the_head_restarti
             assert _health(verifier, grpc.ssl_channel_credentials(ca, key, cert)) == "SERVING"
             published = redis.Redis(hosts.address[host_faults.ROUTER], BOARD_PORT).keys("*load:*")
             assert any(b":verifier:" in k for k in published) and any(b":drafter:" in k for k in published)
-            out = _get(api + "/v1/completions", {"model": MODEL, "prompt": host_faults.PROMPTS[0], "max_tokens": 96,
+            out = get(api + "/v1/completions", {"model": MODEL, "prompt": host_faults.PROMPTS[0], "max_tokens": 96,
                                                  "temperature": 0}, timeout=120)
             assert out["choices"][0]["text"] == expected[0]
             killed = host_faults.one_fault(hosts, api, "kill", expected, 96, 0.5, tmp_path)
             restarted = host_faults.one_fault(hosts, api, "head-restart", expected, 96, 0.5, tmp_path)
-            after = _get(api + "/v1/completions", {"model": MODEL, "prompt": host_faults.PROMPTS[1],
+            after = get(api + "/v1/completions", {"model": MODEL, "prompt": host_faults.PROMPTS[1],
                                                    "max_tokens": 96, "temperature": 0}, timeout=120)
             assert after["choices"][0]["text"] == expected[1]  # served on after the head came back
         finally:
-            _stop(hosts, serve, ["c", "d", "b", "a"])
+            stop(hosts, serve, ["c", "d", "b", "a"])
     assert killed["client_errors"] == [] and killed["wrong"] == [] and killed["lost"] == 0
     assert killed["reprefilled"] > 0  # B held some of them when it died
     assert restarted["client_errors"] == [] and restarted["wrong"] == [] and restarted["lost"] == 0, restarted
