@@ -25,12 +25,11 @@ from __future__ import annotations
 import time
 
 import torch
-import torch._inductor.config as inductor_config
-import torch.fx.experimental._config as fx_config
 
 from services.attention import KV_MULTIPLE, AttentionPlan, step_block
 from services.layers import RaggedLayout
 from services.model import CausalLM, ForwardOutput
+from services.packed_linear import mark_static_packs
 
 
 class CompiledStep:
@@ -42,11 +41,16 @@ class CompiledStep:
         self.buckets = cuda if buckets is None else buckets  # pad sizes to powers of two (CUDA graphs replay)
         self._layers: tuple | None = None  # (k_cache, v_cache, their per-layer views): one set of objects
         self.config, self.tap_layers = model.config, model.tap_layers
+        # Imported here: the compiler costs every process that imports the engine 2 s, compiling or not.
+        import torch._inductor.config as inductor_config
+        import torch.fx.experimental._config as fx_config
+
         fx_config.use_duck_shape = False
         # Process-wide and read when a graph is compiled (a `torch.compile(options=...)` entry is not honoured
         # for freezing): weights become constants and the linears oneDNN calls on pre-packed weights.
         inductor_config.freezing = True
         model.rotary()  # built now, so the graph reads the table as a constant instead of rebuilding it
+        mark_static_packs(model)
         self._fn = torch.compile(model.step, dynamic=True, fullgraph=True, mode="reduce-overhead" if cuda else None)
         self.warm_s = self._warm(max_len, num_slots)
 

@@ -75,10 +75,7 @@ def amx_serves(weight: torch.Tensor) -> bool:
 
 def pack_amx(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] bf16 → its AMX tile layout [N/16, K/32, 16, 16, 2], which `linear` takes in its place."""
-    packed = _module().pack_amx(weight.detach())
-    # Not a parameter, so a dynamic-shape compile would give its sizes symbols that freezing then drops.
-    torch._dynamo.mark_static(packed)
-    return packed
+    return _module().pack_amx(weight.detach())  # before a compile: packed_linear.mark_static_packs
 
 
 def available(dtype: torch.dtype) -> bool:

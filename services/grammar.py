@@ -24,7 +24,10 @@ from pathlib import Path
 import llguidance
 import numpy as np
 import torch
-from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+# llguidance's numpy helpers, not its torch ones: llguidance.torch compiles a kernel we do not use at import,
+# which imports torch's compiler (3.3 s of every router's and tier's start)
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from services.errors import InvalidRequestError
 from services.tokenizer import TextTokenizer
@@ -91,7 +94,7 @@ class RequestGrammar:
         fill_next_token_bitmask(self.matcher, self._bits)
         # [⌈V'/32⌉] int32 words, bit j of word w = token 32 w + j: as little-endian bytes, numpy's C unpacking
         # puts the bits in token order (a torch shift-and-mask over 262,144 bits took 1.5 ms a row)
-        allowed = np.unpackbits(self._bits[0].numpy().view(np.uint8), bitorder="little")
+        allowed = np.unpackbits(self._bits[0].view(np.uint8), bitorder="little")
         out = np.zeros(self.vocab_size, dtype=np.bool_)
         n = min(self.vocab_size, len(allowed))
         out[:n] = allowed[:n]

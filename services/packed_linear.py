@@ -118,6 +118,18 @@ class PackedLinear(nn.Linear):
         return linear(x, self.weight, self.bias, self.packed)
 
 
+def mark_static_packs(module: nn.Module) -> None:
+    """Before a dynamic-shape compile of `module`: its AMX tile layouts keep their sizes. They are not parameters,
+    so the compile would give their sizes symbols that freezing then drops. Marked here, not when packed: the
+    mark imports torch's compiler, 2 s of every process's start, which only a compile needs."""
+    import torch._dynamo
+
+    for m in module.modules():
+        for value in vars(m).values():
+            if isinstance(value, PackedWeight) and value.kernel and value.tensor is not None:
+                torch._dynamo.mark_static(value.tensor)
+
+
 def pack_linears(module: nn.Module) -> int:
     """Pack every `nn.Linear` of `module` and the fused projections (`pack_fused`) → how many were packed
     (0 where `pack` makes none: a CUDA model keeps its linears as they are)."""

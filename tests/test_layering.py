@@ -120,6 +120,36 @@ def test_a_drafter_replica_loads_only_the_drafter_tier():
 LOADED_ON_USE = ("drafter_worker.constrained", "services.grammar", "services.tokenizer")
 
 
+COMPILER_FREE = """
+import sys
+import cluster.actors, router.main
+from drafter_worker.main import drafter_service
+from drafter_worker.settings import DrafterSettings
+from services.grammar import GrammarTokenizer
+from services.registry import resolve_model
+from services.types import Grammar
+from verifier_worker.main import start_profile, verifier_service
+from verifier_worker.settings import VerifierSettings
+
+for dtype in ("float32", "bfloat16"):  # bf16: where the CPU has AMX, its weights are packed into tiles
+    s = VerifierSettings(dtype=dtype, threads=1, profile_cache=False)
+    service = verifier_service(s)
+    start_profile(s, service.engine.forward)
+    drafter_service(DrafterSettings(dtype=dtype, threads=1))
+grammar = GrammarTokenizer(resolve_model("dspark-target"), 1024).start(Grammar("regex", "[0-9]+"))
+assert grammar.allowed().any()
+print(sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor"))))
+"""
+
+
+def test_serving_processes_import_no_compiler_until_they_compile():
+    """A router, a verifier and a drafter start (model loaded, engine built, SPS profiled, drafters loaded, a
+    grammar's mask computed) without importing torch's compiler: that import cost each process 2–3 s of its
+    start. Only `compile: true` needs it (services/compiled_step.py, drafter_worker/drafter.py)."""
+    out = subprocess.run([sys.executable, "-c", COMPILER_FREE], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[-2] == "[]", out.stdout[-2000:]
+
+
 def class_definitions(root: Path = ROOT) -> dict[str, list[str]]:
     """Class name → where it is defined, over the project's packages (generated gRPC/protobuf code aside: its
     servicer bases share their names with the servicers that implement them)."""

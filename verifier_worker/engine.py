@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from services import processors
 from services.compiled_step import CompiledStep
 from services.errors import CapacityError, InvalidRequestError
-from services.grammar import GrammarTokenizer
 from services.layers import RaggedLayout
 from services.model import CausalLM
 from services.sampling import accept_greedy, accept_stochastic, draft_q, logits_to_probs, sample
@@ -35,6 +35,9 @@ from verifier_worker.work import (
     row_contexts,
     samples_first,
 )
+
+if TYPE_CHECKING:  # structured output's llguidance is imported at the first request that asks for it
+    from services.grammar import GrammarTokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +121,8 @@ class Engine:
     def grammar_tokenizer(self) -> GrammarTokenizer:
         """The model's vocabulary for llguidance, built at the first structured-output request."""
         if self._grammar is None:
+            from services.grammar import GrammarTokenizer  # here: llguidance's import costs a tier's start 1.7 s
+
             self._grammar = GrammarTokenizer(getattr(self.model, "source_dir", None), self.model.config.vocab_size)
         return self._grammar
 

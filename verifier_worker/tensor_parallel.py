@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from services.layers import MLP, Attention, RaggedLayout
+from services.loader import unfilled
 from services.model import CausalLM, ForwardOutput
 
 
@@ -53,7 +54,8 @@ class RowParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, rank: int, world: int, group=None):
         super().__init__()
         n = linear.in_features // world
-        self.linear = nn.Linear(n, linear.out_features, bias=False, device="meta")
+        with unfilled():
+            self.linear = nn.Linear(n, linear.out_features, bias=False)
         self.linear.weight = _param(linear.weight[:, rank * n : (rank + 1) * n], linear.weight)
         self.bias = None if linear.bias is None else _param(linear.bias, linear.bias)
         self.world, self.group = world, group

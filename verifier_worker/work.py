@@ -9,14 +9,17 @@ plain decoding (`row_contexts`), and its log-softmax when logprobs are asked for
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from services import processors
-from services.grammar import RequestGrammar
 from services.processors import RowContext
 from services.sampling import token_logprobs
 from services.types import DraftBlock, SamplingParams, StepOutput
+
+if TYPE_CHECKING:  # structured output's llguidance is imported at the first request that asks for it
+    from services.grammar import RequestGrammar
 
 
 @dataclass(slots=True)

@@ -30,6 +30,7 @@ from drafter_worker.formats.mtp_layers import GatedDims, MlaDims, Yarn
 from drafter_worker.formats.mtp_model import MtpConfig, MtpDraftModel
 from drafter_worker.formats.mtp_moe import MoeDims
 from services.errors import ModelLoadError
+from services.loader import unfilled
 
 _MODEL_TYPES = {"deepseek_v3": "deepseek_mtp", "qwen3_next": "qwen3_next_mtp"}
 _FP8 = (torch.float8_e4m3fn,)
@@ -123,7 +124,7 @@ def build(raw: dict, model_dir: Path, fmt: str, dcfg: DrafterConfig, target) -> 
     if (cfg.hidden_size, cfg.vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
         raise ModelLoadError(f"{where}: MTP width/vocab {cfg.hidden_size}/{cfg.vocab_size} do not match the "
                              f"target's {tcfg.hidden_size}/{tcfg.vocab_size}")
-    with torch.device("meta"):
+    with unfilled():
         model = MtpDraftModel(dcfg, cfg)
     model = model.to_empty(device=target.device).to(target.dtype)
     for mine, theirs in ((model.embed_tokens, target.model.embed_tokens), (model.lm_head, target.lm_head)):
