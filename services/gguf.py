@@ -14,12 +14,12 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
 from services.errors import ModelLoadError
+from services.settings import cache_dir
 
 # GGUF `general.architecture` → what the cached directory's config.json will say.
 ARCHITECTURES = {"gemma3": "Gemma3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -38,7 +38,7 @@ SOURCE = "source.json"  # written last: its presence marks a complete cache entr
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("DSPARK_CACHE_DIR", Path.home() / ".cache" / "dspark")) / "gguf"
+    return cache_dir("gguf")
 
 
 def sha256_file(path: Path) -> str:

@@ -9,6 +9,7 @@ Each role's own settings live beside its composition root (`verifier_worker/sett
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -19,6 +20,12 @@ from services.errors import InvalidRequestError
 from services.tls import TlsSettings
 
 Traces = Literal["none", "console", "otlp"]
+
+
+def cache_dir(kind: str) -> Path:
+    """Where this host keeps what it derives once and reuses (`gguf` conversions, `sps` profiles):
+    `$DSPARK_CACHE_DIR/<kind>`, by default under ~/.cache/dspark."""
+    return Path(os.environ.get("DSPARK_CACHE_DIR", Path.home() / ".cache" / "dspark")) / kind
 
 
 class Settings(BaseModel):

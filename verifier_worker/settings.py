@@ -24,6 +24,9 @@ class VerifierSettings(GrpcServerSettings):
     lease_s: float = Field(60.0, gt=0, description="free requests prefilled but never attached to a stream")
     batch_window_ms: float = Field(5.0, ge=0, description="how long a step waits for the rest of its sessions")
     profile: bool = Field(True, description="measure the SPS(B) table at start-up (the dspark policy needs it)")
+    profile_cache: bool = Field(True, description="reuse the SPS(B) table this host measured for the same model "
+                                "files, dtype, device, threads and torch ($DSPARK_CACHE_DIR/sps; false: measure "
+                                "at every start)")
     redis_url: str | None = Field(None, description="publish load (and the SPS profile) to this Redis")
     traces: Traces = "none"
     otlp_traces_endpoint: str | None = None
