@@ -8,10 +8,14 @@ the drafts accepted per cycle of cached blocks against all cycles (from the rout
 
     python benchmarks/ahead.py [--methods dspark,dflash,eagle3] [--concurrency 1,2,4] [--temperature 0]
                                [--max-tokens 64] [--rounds 3] [--budget 24] [--rtt-ms 0,1,5,20] [--json PATH]
+                               [--target dspark-target|gemma-3-270m] [--dtype float32|bfloat16|auto]
 
 `--rtt-ms`: the router reaches the drafter through a user-space network path (`benchmarks/net_proxy.py`; this
 kernel has no netem) adding that round trip, one path per value (0: the proxy's own hop only, so every row pays
 the same relay and differs only by the delay); the verifier is reached directly.
+
+`--target gemma-3-270m` runs the real model (its GGUF from pip, under the Gemma terms: ai.google.dev/gemma/terms)
+with its shipped drafters; `--dtype auto` serves bf16 where the CPU has it natively, fp32 elsewhere.
 
 `--in-process`: the cache's quality alone, without timing: 12 eval prompts (4 per domain), the in-process
 router drafting and drafting ahead in turn, against the same drafter without the cache (τ, hit rate, drafts
@@ -38,7 +42,8 @@ from router.router import Router, RouterConfig
 from router.scheduling.policy import Policy
 from router.session import RouterRequest, Speculation
 from router.tiers.grpc import GrpcDrafter, GrpcVerifier
-from services.registry import resolve_model
+from services.loader import resolve_dtype
+from services.registry import model_name, resolve_model
 from services.tokenizer import TextTokenizer
 from services.types import SamplingParams
 from verifier_worker.settings import VerifierSettings
@@ -72,7 +77,7 @@ async def one_round(addresses, tok, method: str, c: int, ahead: bool, args, tag:
 
 
 def in_process(method: str, temperature: float, budget: int, gamma: int, max_tokens: int,
-               steering=None) -> dict:
+               steering=None, target_name: str = TARGET) -> dict:
     import torch
 
     from drafter_worker.ahead import RunAhead
@@ -83,7 +88,7 @@ def in_process(method: str, temperature: float, budget: int, gamma: int, max_tok
     from verifier_worker.engine import Engine, EngineConfig
 
     torch.set_num_threads(1)
-    tdir, ddir = resolve_model(TARGET), resolve_model(f"{TARGET}-{method}")
+    tdir, ddir = resolve_model(target_name), resolve_model(f"{model_name(target_name)}-{method}")
     tok = TextTokenizer.from_dir(tdir)
     target = load_model(tdir, "float32", "cpu", tap_layers=drafter_config(ddir).tap_layers)
     model, calibration = load_drafter(ddir, target, "float32")
@@ -124,6 +129,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--budget", type=int, default=24)
     p.add_argument("--json")
+    p.add_argument("--target", default=TARGET, help="the target model (its drafters are <target>-<method>)")
+    p.add_argument("--dtype", default="float32", help="served dtype of both tiers (auto: bf16 where native)")
     p.add_argument("--in-process", action="store_true", help="hit rate and acceptance only (no tiers, no timing)")
     p.add_argument("--pin", action="store_true", help="verifier on CPU 0, drafter on CPU 1 (the router floats)")
     p.add_argument("--steer", help="TOP,FACTOR: Saguaro sampling of the drafts of requests that draft ahead")
@@ -136,19 +143,22 @@ def main() -> None:
         from drafter_worker.speculation import Steering
 
         steering = Steering(top, factor) if top else None
-        rows = [in_process(m, args.temperature, args.budget, args.gamma, args.max_tokens, steering) for m in methods]
+        rows = [in_process(m, args.temperature, args.budget, args.gamma, args.max_tokens, steering, args.target)
+                for m in methods]
         for row in rows:
             print(json.dumps(row), flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "rows": rows}, indent=1))
         return
-    drafters = [f"{TARGET}-{m}" for m in methods]
+    drafters = [f"{model_name(args.target)}-{m}" for m in methods]
     pins = ([0], [1]) if args.pin else (None, None)
-    verifier = start_tier("verifier", VerifierSettings(dtype="float32", port=0, threads=1, num_slots=8, max_len=512,
-                                                       cpus=pins[0]))
-    drafter = start_tier("drafter", DrafterSettings(dtype="float32", port=0, threads=1, drafters=drafters, cpus=pins[1],
-                                                    ahead_budget=args.budget, steer_top=top, steer_factor=factor))
-    tok = TextTokenizer.from_dir(resolve_model(TARGET))
+    dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")  # the settings take the name
+    verifier = start_tier("verifier", VerifierSettings(model=args.target, dtype=dtype, port=0, threads=1, num_slots=8,
+                                                       max_len=512, cpus=pins[0]))
+    drafter = start_tier("drafter", DrafterSettings(model=args.target, dtype=dtype, port=0, threads=1,
+                                                    drafters=drafters, cpus=pins[1], ahead_budget=args.budget,
+                                                    steer_top=top, steer_factor=factor))
+    tok = TextTokenizer.from_dir(resolve_model(args.target))
     rows = []
     paths = [None] if args.rtt_ms is None else [float(x) for x in args.rtt_ms.split(",")]
     try:
@@ -174,7 +184,8 @@ def main() -> None:
     finally:
         verifier.stop()
         drafter.stop()
-    report = {"cpu": cpu_model(), "pinned": args.pin, "temperature": args.temperature, "gamma": args.gamma,
+    report = {"cpu": cpu_model(), "target": args.target, "dtype": dtype, "pinned": args.pin,
+              "temperature": args.temperature, "gamma": args.gamma,
               "budget": args.budget, "max_tokens": args.max_tokens, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:

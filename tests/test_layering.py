@@ -128,13 +128,13 @@ from drafter_worker.settings import DrafterSettings
 from services.grammar import GrammarTokenizer
 from services.registry import resolve_model
 from services.types import Grammar
-from verifier_worker.main import start_profile, verifier_service
+from verifier_worker.main import verifier_service
+from verifier_worker.profile import profile_sps
 from verifier_worker.settings import VerifierSettings
 
 for dtype in ("float32", "bfloat16"):  # bf16: where the CPU has AMX, its weights are packed into tiles
-    s = VerifierSettings(dtype=dtype, threads=1, profile_cache=False)
-    service = verifier_service(s)
-    start_profile(s, service.engine.forward)
+    service = verifier_service(VerifierSettings(dtype=dtype, threads=1))
+    profile_sps(service.engine.forward, (1, 16), context=32, repeats=1)
     drafter_service(DrafterSettings(dtype=dtype, threads=1))
 grammar = GrammarTokenizer(resolve_model("dspark-target"), 1024).start(Grammar("regex", "[0-9]+"))
 assert grammar.allowed().any()
