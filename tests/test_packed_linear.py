@@ -37,9 +37,10 @@ def test_a_row_has_the_same_bits_at_any_row_count(dtype, shape, way):
     if packed is None:
         pytest.skip("oneDNN cannot pack on this build")
     assert packed.kernel == (way == "kernel")
-    x = torch.randn(33, shape[0], generator=g).to(dtype)
-    one_by_one = torch.cat([linear(x[i : i + 1], w, None, packed) for i in range(33)])
-    for rows in (2, 3, 7, 8, 16, 17, 33):
+    x = torch.randn(150, shape[0], generator=g).to(dtype)
+    one_by_one = torch.cat([linear(x[i : i + 1], w, None, packed) for i in range(150)])
+    # the kernel's fp32 tiles change at 8 rows and at chunks of 64 (services/kernels/linear.cpp: fp32_outputs)
+    for rows in (2, 3, 7, 8, 16, 17, 33, 64, 65, 150):
         assert torch.equal(linear(x[:rows], w, None, packed), one_by_one[:rows]), rows
     assert torch.allclose(one_by_one.float(), F.linear(x, w).float(), rtol=2e-2, atol=6e-2)
     if dtype == torch.bfloat16 and way == "onednn":
