@@ -6,6 +6,7 @@ each with `context` tokens already cached and logits wanted at every new token (
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -82,10 +83,10 @@ def profile_sps(
 
 def host_sps(forward: CausalLM, fingerprint: dict, **kw) -> list[SpsPoint]:
     """`profile_sps(forward, **kw)` as this host measured it before for the same `fingerprint` (what the speed
-    depends on: the model's files, dtype, device, threads, torch, the CPU), else measured now and kept. A
+    depends on: the model's files, dtype, device, threads, torch, the CPU, this code), else measured now and kept. A
     verifier restarted after a fault, or one more replica of a pool on this host, then serves seconds sooner
     (2 s on the toy target at two vCPUs; every start of the suite's tiers paid it)."""
-    key = {**fingerprint, "torch": torch.__version__, "cpu": _cpu(),
+    key = {**fingerprint, "torch": torch.__version__, "cpu": _cpu(), "code": _code(),
            "capability": torch.backends.cpu.get_cpu_capability(), "profile": kw}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
     path = cache_dir("sps") / f"{digest}.json"
@@ -105,3 +106,15 @@ def _cpu() -> str:
     info = Path("/proc/cpuinfo")
     lines = info.read_text().splitlines() if info.is_file() else []
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
+
+
+@functools.cache
+def _code() -> str:
+    """A digest of the serving code whose speed a table measures (the engine, the model, the CPU kernels): a
+    new version of either measures anew."""
+    root = Path(__file__).parent.parent
+    digest = hashlib.sha256()
+    kernels = [p for p in (root / "services" / "kernels").iterdir() if p.is_file()]
+    for path in sorted([*(root / "services").rglob("*.py"), *kernels, *(root / "verifier_worker").glob("*.py")]):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
