@@ -10,7 +10,6 @@ compared (a slow spell of this noisy VM hits them alike), after a warm-up round 
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +21,7 @@ import torch
 from drafter_worker.checkpoint import drafter_config
 from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
-from services.loader import load_model, native_bf16
+from services.loader import cpu_model, load_model, native_bf16
 from services.model import CausalLM
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
@@ -36,18 +35,6 @@ DOMAINS = ("code", "math", "chat")
 SUFFIXES = {"mtp1": "mtp", "eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark"}  # arm → drafter dir suffix
 DRAFTERS = {arm: f"dspark-target-{suffix}" for arm, suffix in SUFFIXES.items()}  # the shipped target's drafters
 FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)  # new tokens per forward: decode, verify blocks, prefill chunks
-
-
-def cpu_model() -> str:
-    """The CPU's model name and its bf16-relevant flags (figures differ with AMX, AVX512-BF16 or AVX2 only)."""
-    name, flags = platform.processor() or platform.machine(), set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
-        if line.startswith("model name"):
-            name = line.split(":", 1)[1].strip()
-        elif line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-    wanted = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
-    return f"{name} ({' '.join(wanted)})" if wanted else name
 
 
 def machine(device: torch.device | None = None) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +37,18 @@ def unfilled() -> Iterator[None]:
     call imports the compiler — 1.5 s of every tier process's start (measured on a 2-vCPU EPYC)."""
     with torch.device("meta"), _NoInit():
         yield
+
+
+def cpu_model() -> str:
+    """The CPU's model name and its bf16-relevant flags (figures differ with AMX, AVX512-BF16 or AVX2 only)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+        if line.startswith("model name"):
+            name = line.split(":", 1)[1].strip()
+        elif line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+    wanted = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
+    return f"{name} ({' '.join(wanted)})" if wanted else name
 
 
 def native_bf16(device: torch.device) -> bool:

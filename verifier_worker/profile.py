@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from services.layers import RaggedLayout
+from services.loader import cpu_model
 from services.model import CausalLM
 from services.settings import cache_dir
 from verifier_worker.kv_cache import KVCache
@@ -86,8 +87,7 @@ def host_sps(forward: CausalLM, fingerprint: dict, **kw) -> list[SpsPoint]:
     depends on: the model's files, dtype, device, threads, torch, the CPU, this code), else measured now and kept. A
     verifier restarted after a fault, or one more replica of a pool on this host, then serves seconds sooner
     (2 s on the toy target at two vCPUs; every start of the suite's tiers paid it)."""
-    key = {**fingerprint, "torch": torch.__version__, "cpu": _cpu(), "code": _code(),
-           "capability": torch.backends.cpu.get_cpu_capability(), "profile": kw}
+    key = {**fingerprint, "torch": torch.__version__, "cpu": cpu_model(), "code": _code(), "profile": kw}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
     path = cache_dir("sps") / f"{digest}.json"
     try:
@@ -101,11 +101,6 @@ def host_sps(forward: CausalLM, fingerprint: dict, **kw) -> list[SpsPoint]:
     partial.replace(path)  # atomic: a replica starting beside this one reads the whole table or none
     return points
 
-
-def _cpu() -> str:
-    info = Path("/proc/cpuinfo")
-    lines = info.read_text().splitlines() if info.is_file() else []
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
 
 
 @functools.cache
