@@ -27,7 +27,7 @@ from drafter_worker.chain_model import ChainDraftModel
 from drafter_worker.context_cache import ContextCache
 from drafter_worker.proposer import StatelessProposer
 from drafter_worker.speculation import Steering
-from services.packed_linear import mark_static_packs, pack_linears
+from services.packed_linear import pack_linears
 from services.sampling import logits_to_probs, truncate_to_sparse
 from services.types import DraftBlock, SamplingParams
 
@@ -67,11 +67,9 @@ class Drafter(StatelessProposer):
         if self.block:
             self._greedy_block = model.draft_greedy
             if compile:
-                import torch._inductor.config as inductor_config  # here: importing the compiler costs 2 s a start
+                from services.compiled_step import compile_frozen
 
-                inductor_config.freezing = True
-                mark_static_packs(model)
-                self._greedy_block = torch.compile(model.draft_greedy, dynamic=True, fullgraph=True)
+                self._greedy_block = compile_frozen(model.draft_greedy, model)
         self.generator = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
         self._contexts: dict[str, _Context] = {}
         self.steering: Steering | None = None

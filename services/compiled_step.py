@@ -32,6 +32,18 @@ from services.model import CausalLM, ForwardOutput
 from services.packed_linear import mark_static_packs
 
 
+def compile_frozen(fn, module: torch.nn.Module, **options):
+    """`torch.compile(fn)` (dynamic sizes, one graph) with `module`'s weights frozen into constants and its AMX
+    tiles' sizes static. Freezing is process-wide and read when a graph compiles (a `torch.compile(options=...)`
+    entry is not honoured for it): weights become constants and the linears oneDNN calls on pre-packed weights.
+    The compiler is imported here, not at the top: it costs every process that imports it 2 s, compiling or not."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.freezing = True
+    mark_static_packs(module)
+    return torch.compile(fn, dynamic=True, fullgraph=True, **options)
+
+
 class CompiledStep:
     """Callable like `CausalLM` (the `Engine`'s model call); compiles at construction (`warm_s` says how long)."""
 
@@ -41,17 +53,11 @@ class CompiledStep:
         self.buckets = cuda if buckets is None else buckets  # pad sizes to powers of two (CUDA graphs replay)
         self._layers: tuple | None = None  # (k_cache, v_cache, their per-layer views): one set of objects
         self.config, self.tap_layers = model.config, model.tap_layers
-        # Imported here: the compiler costs every process that imports the engine 2 s, compiling or not.
-        import torch._inductor.config as inductor_config
-        import torch.fx.experimental._config as fx_config
+        import torch.fx.experimental._config as fx_config  # here: see compile_frozen
 
         fx_config.use_duck_shape = False
-        # Process-wide and read when a graph is compiled (a `torch.compile(options=...)` entry is not honoured
-        # for freezing): weights become constants and the linears oneDNN calls on pre-packed weights.
-        inductor_config.freezing = True
         model.rotary()  # built now, so the graph reads the table as a constant instead of rebuilding it
-        mark_static_packs(model)
-        self._fn = torch.compile(model.step, dynamic=True, fullgraph=True, mode="reduce-overhead" if cuda else None)
+        self._fn = compile_frozen(model.step, model, mode="reduce-overhead" if cuda else None)
         self.warm_s = self._warm(max_len, num_slots)
 
     @property
