@@ -263,12 +263,12 @@ def _load_pair(target_name: str, drafter: str, dtype: str = "float32"):
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from drafter_worker.calibration import Calibration, fit_sts
+    from drafter_worker.calibration import Calibration
     from drafter_worker.drafter import Drafter
     from services.registry import resolve_model
     from services.tokenizer import TextTokenizer
     from services.types import SamplingParams
-    from training.calibration_fit import fit_platt
+    from training.calibration_fit import fit_platt, fit_sts
     from training.eval import evaluate
     from training.rollouts import prompts
 

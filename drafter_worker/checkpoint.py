@@ -21,29 +21,30 @@ from drafter_worker.calibration import Calibration
 from drafter_worker.chain_model import ChainDraftModel
 from drafter_worker.config import DrafterConfig
 from drafter_worker.formats import MTP_FORMATS, detect, read_config, read_tensors, reader
-from services.checkpoint import hf_config_dict
+from services.embeddings import TargetEmbeddings
 from services.errors import ModelLoadError
 from services.loader import resolve_device, resolve_dtype
-from services.model import CausalLM
-from services.model_config import ModelConfig
+from services.model_config import ModelConfig, hf_config_dict
 from services.registry import resolve_model
 
 if TYPE_CHECKING:  # a released MTP module's model, imported only when one is loaded (formats.reader)
     from drafter_worker.formats.mtp_model import MtpDraftModel
 
 DraftModel = Union[BlockDraftModel, ChainDraftModel, "MtpDraftModel"]
-def build_draft_model(dcfg: DrafterConfig, target: CausalLM, cfg: ModelConfig | None = None,
+def build_draft_model(dcfg: DrafterConfig, target, cfg: ModelConfig | None = None,
                       d2t: torch.Tensor | None = None) -> DraftModel:
     """A fresh draft model on the target's embedding (shared, frozen) and a frozen copy of its LM head — over a
     draft vocabulary, the rows `d2t` names (given: a model to train; absent: the checkpoint's d2t and head come
-    at load time); its layers shaped by `cfg` (the draft's own config; default the target's)."""
+    at load time); its layers shaped by `cfg` (the draft's own config; default the target's). `target`: a
+    loaded target or its `TargetEmbeddings`."""
+    target = TargetEmbeddings.of(target)
     cls = BlockDraftModel if dcfg.method.is_block else ChainDraftModel
     model = cls(dcfg, cfg or fresh_layers_config(target.config)).to(device=target.device, dtype=target.dtype)
-    model.embed_tokens.weight = torch.nn.Parameter(target.model.embed_tokens.weight.detach(), requires_grad=False)
+    model.embed_tokens.weight = torch.nn.Parameter(target.embed_tokens.detach(), requires_grad=False)
     if model.reduced_vocab and d2t is None:
         return model
     model.index_vocab(d2t)
-    model.share_head(target.lm_head.weight.detach().clone())
+    model.share_head(target.lm_head.detach().clone())
     return model
 
 
@@ -108,10 +109,12 @@ def drafter_config(model_dir: str | Path, fmt: str = "auto", target_layers: int 
         raise ModelLoadError(f"{model_dir}: bad dspark_drafter config: {exc}") from exc
 
 
-def load_drafter(name_or_dir: str | Path, target: CausalLM, dtype: str | torch.dtype = "auto",
+def load_drafter(name_or_dir: str | Path, target, dtype: str | torch.dtype = "auto",
                  device: str | torch.device | None = "cpu", fmt: str = "auto", convention: str = "auto"
                  ) -> tuple[DraftModel, Calibration | None]:
-    """Load a drafter for an already loaded `target` (whose embedding and LM head it shares)."""
+    """Load a drafter next to `target` (a loaded target or its `TargetEmbeddings`: the embedding and LM head
+    the drafter shares)."""
+    target = TargetEmbeddings.of(target)
     model_dir = resolve_model(name_or_dir)
     raw = read_config(model_dir)
     fmt = detect(raw, str(model_dir), fmt)
@@ -139,13 +142,13 @@ def load_drafter(name_or_dir: str | Path, target: CausalLM, dtype: str | torch.d
     if model.reduced_vocab:
         model.index_vocab()  # t2d from the loaded d2t
         if "lm_head.weight" not in state:
-            model.share_head(target.lm_head.weight)
+            model.share_head(target.lm_head)
     calibration_path = model_dir / "calibration.json"
     calibration = Calibration.load(calibration_path) if calibration_path.is_file() else None
     return model.eval(), calibration
 
 
-def _chain_or_block(raw: dict, model_dir: Path, fmt: str, dcfg: DrafterConfig, target: CausalLM):
+def _chain_or_block(raw: dict, model_dir: Path, fmt: str, dcfg: DrafterConfig, target: TargetEmbeddings):
     """dspark's own draft model for `dcfg`, shaped by the draft's config, and its tensors under dspark's names."""
     cfg = draft_model_config(raw, model_dir, fmt)
     if fmt != "dspark":  # the draft's RoPE table as long as the target's (vLLM raises it too)
@@ -176,10 +179,10 @@ def draft_model_config(raw: dict, model_dir: Path, fmt: str) -> ModelConfig:
     return ModelConfig.from_dict({**raw, "architectures": []})  # the decoder of its model_type (services/model_config)
 
 
-def own_vocab_weights(state: dict, target: CausalLM) -> dict:
+def own_vocab_weights(state: dict, target: TargetEmbeddings) -> dict:
     """Shipped embedding / LM-head copies: dropped when they equal the target's (shared, as vLLM does), else
     kept as the drafter's own."""
-    theirs = {"embed_tokens.weight": target.model.embed_tokens.weight, "lm_head.weight": target.lm_head.weight}
+    theirs = {"embed_tokens.weight": target.embed_tokens, "lm_head.weight": target.lm_head}
     for name, tensor in theirs.items():
         if name in state and tuple(state[name].shape) == tuple(tensor.shape) and torch.equal(
                 state[name].to(tensor.dtype), tensor.detach().cpu()):

@@ -18,8 +18,8 @@ from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import GrpcServer
 from protos.tier import RunningTier, open_board, role_tracer, set_threads, start_publisher
 from services.batching import compute_thread
+from services.embeddings import load_embeddings
 from services.errors import InvalidRequestError
-from services.loader import load_model
 from services.model_config import ModelConfig
 from services.registry import list_models, model_name, resolve_model
 from services.tls import read_tls
@@ -36,7 +36,7 @@ def drafter_service(s: DrafterSettings) -> DrafterService:
     if len(taps) != 1:
         raise InvalidRequestError(f"drafters of one replica must share tap layers, got {sorted(taps)}")
     device = None if s.device == "auto" else s.device
-    target = load_model(resolve_model(s.model), s.dtype, device, tap_layers=taps.pop())
+    target = load_embeddings(resolve_model(s.model), s.dtype, device)  # all a drafter reads of its target
     proposers, block_sizes = {}, {}
     for name, cfg in configs.items():
         method = str(cfg.method)

@@ -7,14 +7,17 @@ import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from torch.overrides import TorchFunctionMode
 
 from services.errors import ModelLoadError
-from services.model import CausalLM
 from services.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from services.model import CausalLM
 
 # Buffers some exporters write that carry nothing the model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -103,6 +106,10 @@ def load_model(
     device: str | torch.device | None = "cpu",
     tap_layers: tuple[int, ...] = (),
 ) -> CausalLM:
+    # imported here: a drafter replica loads only the target's embeddings (services/embeddings.py) through this
+    # module, and the decoder's code stays unloaded there
+    from services.model import CausalLM
+
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: not a directory")

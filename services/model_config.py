@@ -143,6 +143,43 @@ class ModelConfig:
         return cls.from_dict(raw)
 
 
+def hf_config_dict(cfg: ModelConfig, dtype) -> dict:
+    """`cfg` as a transformers `config.json` (the inverse of `ModelConfig.from_dict`), weights in `dtype` (a
+    torch dtype)."""
+    rope = {"rope_type": cfg.rope.rope_type, "rope_theta": cfg.rope.theta}
+    if cfg.rope.rope_type != "default":
+        rope["factor"] = cfg.rope.factor
+    if cfg.rope.rope_type == "llama3":
+        rope.update(
+            low_freq_factor=cfg.rope.low_freq_factor,
+            high_freq_factor=cfg.rope.high_freq_factor,
+            original_max_position_embeddings=cfg.rope.original_max_position_embeddings,
+        )
+    eos = list(cfg.eos_token_ids)
+    return {
+        "architectures": [cfg.architecture],
+        "model_type": SUPPORTED_ARCHITECTURES[cfg.architecture],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope.theta,
+        "rope_parameters": rope,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.qkv_bias,
+        "mlp_bias": cfg.mlp_bias,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
 def _architecture(raw: dict) -> str:
     archs = raw.get("architectures") or []
     if archs:

@@ -10,8 +10,9 @@ import pytest
 import torch
 from scipy.stats import mannwhitneyu
 
-from drafter_worker.calibration import Calibration, default_grid, fit_sts
+from drafter_worker.calibration import Calibration
 from services.calibration_metrics import auroc, brier, ece, reliability_curve
+from training.calibration_fit import default_grid, fit_sts
 from training.eval.plots import plot_reliability
 
 N, GAMMA = 20000, 16

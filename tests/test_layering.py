@@ -105,16 +105,31 @@ def loaded_by(*modules: str, cwd: Path = ROOT) -> list[str]:
     return out.stdout.split()
 
 
+RUNNING_DRAFTER = """
+import sys
+import cluster.actors
+from drafter_worker.main import drafter_service
+from drafter_worker.settings import DrafterSettings
+drafter_service(DrafterSettings(threads=1))  # the toy target's four shipped drafters, loaded
+print('\\n'.join(sorted(n for n in sys.modules if n.split('.')[0] in %r)))
+"""
+
+
 def test_a_drafter_replica_loads_only_the_drafter_tier():
-    """What Ray loads for a DrafterReplica: its actor module, then the drafter's composition root. Of the
-    verifier only its settings (the actor module declares both replica kinds); no router, HTTP or training."""
-    loaded = loaded_by("cluster.actors", "drafter_worker.main")
+    """What a DrafterReplica holds once it serves: its actor module, the drafter's composition root, and what
+    loading the target's embeddings and its four drafters brought in. Of the verifier only its settings (the
+    actor module declares both replica kinds); no router, HTTP or training; not the target's decoder (a
+    drafter reads its embeddings only: services/embeddings.py) nor the calibration fits (training's)."""
+    out = subprocess.run([sys.executable, "-c", RUNNING_DRAFTER % (sorted(ALLOWED),)], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    loaded = out.stdout.split()
     tops = {m.split(".")[0] for m in loaded}
     assert tops == {"cluster", "drafter_worker", "protos", "services", "verifier_worker"}
     assert [m for m in loaded if m.startswith("verifier_worker.")] == ["verifier_worker.settings"]
+    assert not {"services.model", "services.gemma", "services.calibration_metrics"} & set(loaded)
     # released formats' readers and constrained drafting load when a checkpoint or request needs them
     assert [m for m in loaded if m.startswith("drafter_worker.formats.") or m in LOADED_ON_USE] == []
-    assert len(loaded) <= 67, len(loaded)  # 77 before the readers and grammar loaded on use
+    assert len(loaded) <= 64, len(loaded)  # 67 while it loaded the whole target and the fits
 
 
 LOADED_ON_USE = ("drafter_worker.constrained", "services.grammar", "services.tokenizer")

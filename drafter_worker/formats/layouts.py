@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter_worker.config import HeadType, Method
-from services.checkpoint import hf_config_dict
 from services.errors import ModelLoadError
+from services.model_config import hf_config_dict
 
 # dspark's decoder layers the formats' decoders can stand for (the rest would differ in norms or activation)
 _DECODERS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")

@@ -116,7 +116,7 @@ def model_config(raw: dict, fmt: str, where: str, max_positions: int) -> MtpConf
 
 
 def build(raw: dict, model_dir: Path, fmt: str, dcfg: DrafterConfig, target) -> tuple[MtpDraftModel, dict]:
-    """The module as a draft model next to `target` (its embedding and head, its context length), and its
+    """The module as a draft model next to `target` (its `TargetEmbeddings`; its context length), and its
     tensors under the model's names. Built on the meta device: every parameter is then loaded or shared, and
     a DeepSeek-V3 module (~11B parameters) is never initialised at random first."""
     where, tcfg = str(model_dir), target.config
@@ -127,8 +127,8 @@ def build(raw: dict, model_dir: Path, fmt: str, dcfg: DrafterConfig, target) -> 
     with unfilled():
         model = MtpDraftModel(dcfg, cfg)
     model = model.to_empty(device=target.device).to(target.dtype)
-    for mine, theirs in ((model.embed_tokens, target.model.embed_tokens), (model.lm_head, target.lm_head)):
-        mine.weight = torch.nn.Parameter(theirs.weight.detach().clone(), requires_grad=False)
+    for mine, theirs in ((model.embed_tokens, target.embed_tokens), (model.lm_head, target.lm_head)):
+        mine.weight = torch.nn.Parameter(theirs.detach().clone(), requires_grad=False)
     return model, read_module(model_dir, fmt, cfg, target.dtype, raw)
 
 

@@ -27,13 +27,16 @@ from drafter_worker.calibration import Calibration
 from drafter_worker.config import HeadType, Method
 from drafter_worker.formats import deepspec
 from drafter_worker.formats.layouts import ConversionRefused, Spec, spec_for
+from services.embeddings import TargetEmbeddings
 
 FORMATS = ("dspark", "specforge-eagle3", "deepspec-eagle3", "deepspec", "zlab-dflash", "specforge-dspark")
 
 
 def write_released(model, target, out_dir: str | Path, fmt: str, dtype: torch.dtype = torch.bfloat16,
                    calibration: Calibration | None = None) -> Path:
-    """Write `model` (a drafter loaded for `target`) to `out_dir` in released format `fmt`."""
+    """Write `model` (a drafter loaded for `target`: a loaded target or its `TargetEmbeddings`) to `out_dir` in
+    released format `fmt`."""
+    target = TargetEmbeddings.of(target)
     if fmt not in FORMATS[1:]:
         raise ConversionRefused(f"unknown target format {fmt!r} (known: {', '.join(FORMATS)})")
     if model.dconfig.method is Method.MTP:
@@ -76,7 +79,7 @@ def format_tensors(model, target, spec: Spec) -> dict[str, torch.Tensor]:
         if name in spec.shipped:
             continue
         state.pop(name, None)
-        theirs = target.get_parameter("model." + name if name.startswith("embed") else name)
+        theirs = target.embed_tokens if name.startswith("embed") else target.lm_head
         mine = model.get_parameter(name)
         if mine.shape != theirs.shape or not torch.equal(mine.detach().cpu(), theirs.detach().cpu().to(mine.dtype)):
             raise ConversionRefused(f"{spec.name}: the drafter's {name} differs from the target's; the format has "
