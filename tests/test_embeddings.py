@@ -59,7 +59,7 @@ def test_a_missing_or_misshaped_embedding_is_named(tmp_path):
         load_embeddings(model_dir)
     del tensors["model.embed_tokens.weight"]
     save_file(tensors, model_dir / "model.safetensors")
-    with pytest.raises(ModelLoadError, match="missing tensor 'model.embed_tokens.weight'"):
+    with pytest.raises(ModelLoadError, match=r"missing tensor 'model\.embed_tokens\.weight'"):
         load_embeddings(model_dir)
     with pytest.raises(ModelLoadError, match="not a directory"):
         load_embeddings(tmp_path / "absent")

@@ -42,7 +42,8 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def tiers():
-    verifier, drafter = start_tiers([("verifier", verifier_settings()), ("drafter", drafter_settings())])
+    # profiled: policy dspark plans with the verifier's SPS(B) table (measured once per host: verifier_worker/profile)
+    verifier, drafter = start_tiers([("verifier", verifier_settings(profile=True)), ("drafter", drafter_settings())])
     yield verifier, drafter
     verifier.stop()
     drafter.stop()
@@ -114,6 +115,38 @@ def test_latency_and_loss_between_the_router_and_each_tier_change_no_token(tiers
     assert outputs == plain_greedy([r.prompt_ids for r in requests], [r.params.max_tokens for r in requests])
     assert load.running == 0 and dload.contexts == 0
     assert all(path.stats.chunks > 0 for path in paths) and sum(path.stats.lost for path in paths) > 0
+
+
+def test_the_planner_counts_the_drafters_round_trip_in_what_drafting_costs(tiers, tokenizer):
+    """What drafting adds to a cycle (`VerifyBudget.draft_extra_s`, which `plan_budget` weighs against the tokens
+    drafts buy) is measured on whole cycles, so the round trip to the drafter is in it by construction: behind a
+    path of 100 ms round trip it is at least 80 ms above the same path without the delay. Requests under an
+    SLA draft every cycle of policy dspark, so every cycle is a sample."""
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:2]]
+    spec = Speculation("dspark", Policy.DSPARK, 7, min_tokens_per_s=1000.0)
+
+    async def run(one_way_s: float):
+        path = NetProxy(tiers[1].address, one_way_s=one_way_s)
+        verifier, drafter = GrpcVerifier(tiers[0].address), GrpcDrafter(path.address)
+        router = _router(verifier, drafter, tokenizer)
+        await router.start()
+        for _ in range(600):  # the verifier's SPS(B) profile, fetched at start: the plan's cost of a step
+            if router.planner.sps is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert router.planner.sps is not None, "the router got no SPS profile from the verifier"
+        outputs = [await _collect(router, RouterRequest(ids, SamplingParams(max_tokens=40), request_id=f"rtt-{i}",
+                                                        speculative=spec)) for i, ids in enumerate(prompts)]
+        budget = router.planner.budget("rtt-done")[1]
+        await router.stop()
+        await verifier.close()
+        await drafter.close()
+        path.close()
+        return outputs, budget.draft_extra_s
+
+    (direct, direct_s), (far, far_s) = asyncio.run(run(0.0)), asyncio.run(run(0.05))
+    assert direct == far == plain_greedy(prompts, [40, 40])
+    assert far_s - direct_s >= 0.08, (direct_s, far_s)
 
 
 def test_killing_the_drafter_mid_stream_keeps_every_request_exact(tiers, tokenizer):
