@@ -21,7 +21,9 @@ class DraftModelBase(nn.Module):
     def __init__(self, dcfg: DrafterConfig, cfg: ModelConfig):
         super().__init__()
         self.dconfig, self.config = dcfg, cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # the target's, frozen
+        # the target's, frozen: shared at build time (checkpoint.py: build_draft_model), so no storage or random
+        # init of its own (a real vocabulary's init was 0.65 s of each drafter's load)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
         vd = dcfg.draft_vocab_size
         self.lm_head = nn.Linear(cfg.hidden_size, vd or cfg.vocab_size, bias=False)  # the target's, or [Vd, d]
         if vd is not None:

@@ -96,3 +96,19 @@ def full_forward(model: CausalLM, tokens: list[int] | torch.Tensor) -> ForwardOu
     cache.allocate("x")
     cache.append("x", n)
     return model(ids, torch.arange(n), RaggedLayout([0], [0], [n]), cache.k, cache.v, torch.arange(n))
+
+
+@torch.no_grad()
+def next_token_logits(model: CausalLM, prefixes: list[list[int]]) -> torch.Tensor:
+    """[B, V]: the logits after each prefix, in one batched forward that computes the vocabulary head at the B last
+    rows only (a real model's head is most of its forward when every row pays for it)."""
+    lens = [len(p) for p in prefixes]
+    cache = KVCache(model.config, len(prefixes), max(lens), model.dtype, model.device)
+    slots = [cache.allocate(str(i)) for i in range(len(prefixes))]
+    for i, n in enumerate(lens):
+        cache.append(str(i), n)
+    ids = torch.tensor([t for p in prefixes for t in p])
+    pos = torch.cat([torch.arange(n) for n in lens])
+    last = torch.tensor(lens).cumsum(0) - 1
+    layout = RaggedLayout(slots, [0] * len(prefixes), lens)
+    return model(ids, pos, layout, cache.k, cache.v, last).logits

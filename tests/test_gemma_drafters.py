@@ -21,7 +21,7 @@ from services.sampling import logits_to_probs
 from services.tokenizer import TextTokenizer
 from services.types import SamplingParams
 from tests.chi2 import token_p_value
-from tests.conftest import full_forward, make_engine
+from tests.conftest import make_engine, next_token_logits
 
 pytestmark = pytest.mark.slow
 MODEL = "gemma-3-270m"
@@ -82,26 +82,27 @@ def test_greedy_speculative_equals_plain(targets, tok, plain_greedy, method, dty
     assert torch.equal(draft_model.draft_ids(draft_model.to_target(vocab)), vocab)
 
 
-@torch.no_grad()
-def _next(model, prefix: list[int]) -> torch.Tensor:
-    logits = full_forward(model, prefix).logits[-1:].float()  # [1, V]
-    return logits_to_probs(logits, torch.tensor([SAMPLED["temperature"]]), torch.tensor([SAMPLED["top_k"]]),
-                           torch.tensor([1.0]))[0]
+def _next(model, prefixes: list[list[int]]) -> torch.Tensor:
+    """[B, V]: the served distribution of the token after each prefix."""
+    logits = next_token_logits(model, prefixes).float()
+    b = len(prefixes)
+    return logits_to_probs(logits, torch.full((b,), SAMPLED["temperature"]), torch.full((b,), SAMPLED["top_k"]),
+                           torch.ones(b))
 
 
 @pytest.fixture(scope="module")
 def marginals(targets, tok) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's exact distributions of the second and third generated tokens (as served), summed over the
-    top-8 paths to them: one set of forwards for the four drafters."""
+    top-8 paths to them: three batched forwards (1, 8 and 64 prefixes) for the four drafters."""
     model, prompt = targets[SERVED], tok.encode(PROMPTS[1])
-    p1 = _next(model, prompt)  # the first token comes from the prefill; the second and third from cycles
-    p2, p3 = torch.zeros_like(p1), torch.zeros_like(p1)
-    for t1 in torch.nonzero(p1).flatten().tolist():
-        cond2 = _next(model, [*prompt, t1])
-        p2 += p1[t1] * cond2
-        for t2 in torch.nonzero(cond2).flatten().tolist():
-            p3 += p1[t1] * cond2[t2] * _next(model, [*prompt, t1, t2])
-    return p2, p3
+    p1 = _next(model, [prompt])[0]  # the first token comes from the prefill; the second and third from cycles
+    firsts = torch.nonzero(p1).flatten().tolist()
+    cond2 = _next(model, [[*prompt, t1] for t1 in firsts])  # [8, V]
+    p2 = (p1[firsts, None] * cond2).sum(0)
+    paths = [(i, t1, t2) for i, t1 in enumerate(firsts) for t2 in torch.nonzero(cond2[i]).flatten().tolist()]
+    cond3 = _next(model, [[*prompt, t1, t2] for _, t1, t2 in paths])  # [64, V]
+    weights = torch.tensor([p1[t1] * cond2[i, t2] for i, t1, t2 in paths])
+    return p2, (weights[:, None] * cond3).sum(0)
 
 
 @pytest.mark.parametrize("method", METHODS)
