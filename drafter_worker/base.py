@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from drafter_worker.config import DrafterConfig
+from services.loader import unfilled
 from services.model_config import ModelConfig
 from services.rope import RotaryTable
 
@@ -23,7 +24,8 @@ class DraftModelBase(nn.Module):
         self.dconfig, self.config = dcfg, cfg
         # the target's, frozen: shared at build time (checkpoint.py: build_draft_model), so no storage or random
         # init of its own (a real vocabulary's init was 0.65 s of each drafter's load)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
+        with unfilled():
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         vd = dcfg.draft_vocab_size
         self.lm_head = nn.Linear(cfg.hidden_size, vd or cfg.vocab_size, bias=False)  # the target's, or [Vd, d]
         if vd is not None:

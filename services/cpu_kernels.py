@@ -2,7 +2,9 @@
 
 `linear` (services/kernels/linear.cpp) is a matrix-vector-shaped GEMM for the few rows of a decode or verify
 step: it streams each weight row once at the memory's speed and gives every output one fixed-order dot
-product, so a row's bits do not depend on the step's other rows. bf16 needs AVX512-BF16, fp32 AVX2 + FMA.
+product, so a row's bits do not depend on the step's other rows. It needs AVX2 + FMA (bf16 widened to fp32 in
+registers; AVX512-BF16's dot products where the CPU has them). The fused kernels (decoder layer, Markov head)
+serve bf16 on AVX512-BF16 only: `available` says which dtypes they serve, `linear_available` the linear's.
 
 The build (about a minute, once per machine: torch caches it under ~/.cache/torch_extensions) needs a C++
 compiler; without one, or with `DSPARK_CPU_KERNELS=0`, `available` says no and the linears run on oneDNN
@@ -25,11 +27,14 @@ SOURCES = [Path(__file__).parent / "kernels" / name
            for name in ("linear.cpp", "amx.cpp", "decoder.cpp", "heads.cpp", "bindings.cpp")]
 
 
+def _avx2() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")  # or "DEFAULT", ...
+
+
 def _cpu_supports(dtype: torch.dtype) -> bool:
-    capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
     if dtype == torch.bfloat16:
         return torch.cpu._is_avx512_bf16_supported()
-    return dtype == torch.float32 and capability in ("AVX2", "AVX512")
+    return dtype == torch.float32 and _avx2()
 
 
 @functools.cache
@@ -79,8 +84,14 @@ def pack_amx(weight: torch.Tensor) -> torch.Tensor:
 
 
 def available(dtype: torch.dtype) -> bool:
-    """Whether `linear` serves this dtype here (the CPU has the instructions and the module builds)."""
+    """Whether every kernel (`linear`, the decoder layer, the Markov head) serves this dtype here: the CPU has the
+    instructions and the module builds."""
     return _cpu_supports(dtype) and _module() is not None
+
+
+def linear_available(dtype: torch.dtype) -> bool:
+    """Whether `linear` serves this dtype here: fp32 and bf16 wherever AVX2 is (and the module builds)."""
+    return dtype in (torch.float32, torch.bfloat16) and _avx2() and _module() is not None
 
 
 @torch.library.custom_op("dspark::linear", mutates_args=())
@@ -116,7 +127,7 @@ def markov_block(*args) -> list[torch.Tensor]:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K], weight [N, K] (or `pack_amx`'s layout of it), bias [N] or None → [..., N]; call only where
-    `available(x.dtype)`. Under `torch.compile` an opaque custom op (`dspark::linear`)."""
+    `linear_available(x.dtype)`. Under `torch.compile` an opaque custom op (`dspark::linear`)."""
     rows = x.reshape(-1, x.shape[-1])
     run = _linear_op if torch.compiler.is_compiling() else _module().linear
     y = run(rows, weight, bias)

@@ -72,7 +72,7 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
     copy, else None (not a CPU tensor, another dtype, or a build or CPU oneDNN refuses)."""
     if weight.device.type != "cpu" or weight.dtype not in PACKABLE:
         return None
-    if cpu_kernels.available(weight.dtype) and weight.is_contiguous():
+    if cpu_kernels.linear_available(weight.dtype) and weight.is_contiguous():
         return PackedWeight(cpu_kernels.pack_amx(weight) if cpu_kernels.amx_serves(weight) else None, weight, True)
     if not torch.backends.mkldnn.is_available():
         return None

@@ -15,21 +15,21 @@ from services.layers import RaggedLayout
 from services.packed_linear import PackedLinear, linear, pack, pack_linears
 from tests.conftest import make_model
 
-SHAPES = [(48, 80), (96, 32), (64, 520)]  # (in, out)
+SHAPES = [(48, 80), (96, 32), (64, 520), (70, 24)]  # (in, out); 70: a tail of K % 8 values
 
 
 @pytest.fixture(params=["kernel", "onednn"])
 def way(request, monkeypatch):
     """Which way `pack` chooses: the project's kernel (skipped where this CPU or build has none) or oneDNN."""
     if request.param == "onednn":
-        monkeypatch.setattr(cpu_kernels, "available", lambda dtype: False)
+        monkeypatch.setattr(cpu_kernels, "linear_available", lambda dtype: False)
     return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_a_row_has_the_same_bits_at_any_row_count(dtype, shape, way):
-    if way == "kernel" and not cpu_kernels.available(dtype):
+    if way == "kernel" and not cpu_kernels.linear_available(dtype):
         pytest.skip(f"no CPU kernel for {dtype} here")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(shape[1], shape[0], generator=g).to(dtype)
@@ -39,7 +39,7 @@ def test_a_row_has_the_same_bits_at_any_row_count(dtype, shape, way):
     assert packed.kernel == (way == "kernel")
     x = torch.randn(150, shape[0], generator=g).to(dtype)
     one_by_one = torch.cat([linear(x[i : i + 1], w, None, packed) for i in range(150)])
-    # the kernel's fp32 tiles change at 8 rows and at chunks of 64 (services/kernels/linear.cpp: fp32_outputs)
+    # the kernel's fp32 tiles change at 8 rows and at chunks of 64 (services/kernels/linear.cpp: avx2_outputs)
     for rows in (2, 3, 7, 8, 16, 17, 33, 64, 65, 150):
         assert torch.equal(linear(x[:rows], w, None, packed), one_by_one[:rows]), rows
     assert torch.allclose(one_by_one.float(), F.linear(x, w).float(), rtol=2e-2, atol=6e-2)
@@ -47,7 +47,7 @@ def test_a_row_has_the_same_bits_at_any_row_count(dtype, shape, way):
         assert torch.equal(one_by_one, F.linear(x, w))
 
 
-@pytest.mark.skipif(not cpu_kernels.available(torch.bfloat16), reason="no bf16 CPU kernel here")
+@pytest.mark.skipif(not cpu_kernels.linear_available(torch.bfloat16), reason="no bf16 CPU kernel here")
 def test_the_kernel_rounds_its_fp32_sum_as_torch_does():
     """Each output is a fp32 dot product rounded to bf16 once (nearest even): within one bf16 step of the exact
     sum, and exactly torch's rounding of the kernel's own fp32 result where that is exact."""

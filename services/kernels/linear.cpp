@@ -5,8 +5,8 @@
 // 2-vCPU VMs (its per-call set-up and blocking are made for larger M); a loop that reads each weight row once
 // and keeps the rows of x in L1 reaches the memory's 20 GB/s.
 //
-// Exactness: every y[m, n] is one dot product over k in a fixed order (32- or 8-wide lanes, k ascending; bf16 in
-// two accumulators of alternate 32-chunks, added; then a fixed lane reduction), the same whatever M is and whichever thread computes it, so a row's bits never depend
+// Exactness: every y[m, n] is one dot product over k in a fixed order (32- or 8-wide lanes, k ascending; bf16 on
+// AVX512-BF16 in two accumulators of alternate 32-chunks, added; then a fixed lane reduction), the same whatever M is and whichever thread computes it, so a row's bits never depend
 // on the other rows of the step (the batch invariance greedy speculation relies on).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -20,7 +20,7 @@ namespace {
 // A weight row is read once and dotted with tiles of 4, 2, 1 rows of x held in registers. One weight stream per
 // thread reads fastest here: tiles of four weight rows ran 2x slower at one row, tiles of 8 rows of x no faster
 // at 8-64 rows. A tile's size never changes an output's sum (each has its own accumulator, k in the same
-// order), so a row's bits do not depend on M. (bf16; fp32 tiles weight rows too from 8 rows on: fp32_outputs.)
+// order), so a row's bits do not depend on M. (bf16; the AVX2 loop tiles weight rows too from 8 rows on: avx2_outputs.)
 
 // Rows m..m+T-1 of x against weight row n. K is covered by full 32-wide chunks, then one masked chunk.
 template <int T>
@@ -79,10 +79,32 @@ void bf16_outputs(const uint16_t* x, const uint16_t* w, const float* bias, uint1
 // the masked tail, then hsum8): the same operations in the same order whatever T and R are, so the tiling
 // never changes a bit. R = 1 streams one weight row at a time (best from 1 to a few rows); R = 3 with T = 4
 // holds 12 accumulators and loads 7 vectors for 12 FMAs instead of 5 for 4, for the many rows of a prefill or
-// a wide verify (see fp32_outputs).
-template <int T, int R>
-__attribute__((target("avx2,fma"))) inline void fp32_tile(const float* x, const float* w, const float* bias,
-                                                           float* y, int64_t K, int64_t N, int64_t m, int64_t n,
+// a wide verify (see avx2_outputs). S is the storage: fp32, or bf16 on a CPU without AVX512-BF16, whose values
+// widen exactly to fp32 (a shift), so a bf16 linear there is the fp32 loop over half the bytes.
+template <class S>
+__attribute__((target("avx2,fma"))) inline __m256 load8(const S* p) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  }
+}
+
+template <class S>  // the last K % 8 values, zeros after
+__attribute__((target("avx2,fma"))) inline __m256 load_tail(const S* p, int64_t count, __m256i tail_mask) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm256_maskload_ps(p, tail_mask);
+  } else {
+    alignas(16) uint16_t buf[8] = {};
+    std::memcpy(buf, p, count * sizeof(uint16_t));
+    return load8(buf);
+  }
+}
+
+template <class S, int T, int R>
+__attribute__((target("avx2,fma"))) inline void avx2_tile(const S* x, const S* w, const float* bias, S* y,
+                                                           int64_t K, int64_t N, int64_t m, int64_t n,
                                                            __m256i tail_mask) {
   __m256 acc[T][R];
 #pragma GCC unroll 4
@@ -93,10 +115,10 @@ __attribute__((target("avx2,fma"))) inline void fp32_tile(const float* x, const 
   for (int64_t k = 0; k < full; k += 8) {
     __m256 wv[R];
 #pragma GCC unroll 3
-    for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(w + (n + r) * K + k);
+    for (int r = 0; r < R; ++r) wv[r] = load8(w + (n + r) * K + k);
 #pragma GCC unroll 4
     for (int i = 0; i < T; ++i) {
-      const __m256 xv = _mm256_loadu_ps(x + (m + i) * K + k);
+      const __m256 xv = load8(x + (m + i) * K + k);
 #pragma GCC unroll 3
       for (int r = 0; r < R; ++r) acc[i][r] = _mm256_fmadd_ps(xv, wv[r], acc[i][r]);
     }
@@ -104,10 +126,10 @@ __attribute__((target("avx2,fma"))) inline void fp32_tile(const float* x, const 
   if (full < K) {
     __m256 wv[R];
 #pragma GCC unroll 3
-    for (int r = 0; r < R; ++r) wv[r] = _mm256_maskload_ps(w + (n + r) * K + full, tail_mask);
+    for (int r = 0; r < R; ++r) wv[r] = load_tail(w + (n + r) * K + full, K - full, tail_mask);
 #pragma GCC unroll 4
     for (int i = 0; i < T; ++i) {
-      const __m256 xv = _mm256_maskload_ps(x + (m + i) * K + full, tail_mask);
+      const __m256 xv = load_tail(x + (m + i) * K + full, K - full, tail_mask);
 #pragma GCC unroll 3
       for (int r = 0; r < R; ++r) acc[i][r] = _mm256_fmadd_ps(xv, wv[r], acc[i][r]);
     }
@@ -115,17 +137,18 @@ __attribute__((target("avx2,fma"))) inline void fp32_tile(const float* x, const 
 #pragma GCC unroll 4
   for (int i = 0; i < T; ++i)
 #pragma GCC unroll 3
-    for (int r = 0; r < R; ++r) y[(m + i) * N + n + r] = hsum8(acc[i][r]) + (bias ? bias[n + r] : 0.f);
+    for (int r = 0; r < R; ++r)
+      y[(m + i) * N + n + r] = DtypeOf<S>::st(hsum8(acc[i][r]) + (bias ? bias[n + r] : 0.f));
 }
 
-template <int R>
-__attribute__((target("avx2,fma"))) inline void fp32_rows(const float* x, const float* w, const float* bias,
-                                                           float* y, int64_t K, int64_t N, int64_t m0, int64_t m1,
+template <class S, int R>
+__attribute__((target("avx2,fma"))) inline void avx2_rows(const S* x, const S* w, const float* bias, S* y,
+                                                           int64_t K, int64_t N, int64_t m0, int64_t m1,
                                                            int64_t n, __m256i tail_mask) {
   int64_t m = m0;
-  for (; m + 4 <= m1; m += 4) fp32_tile<4, R>(x, w, bias, y, K, N, m, n, tail_mask);
-  if (m + 2 <= m1) fp32_tile<2, R>(x, w, bias, y, K, N, m, n, tail_mask), m += 2;
-  if (m < m1) fp32_tile<1, R>(x, w, bias, y, K, N, m, n, tail_mask);
+  for (; m + 4 <= m1; m += 4) avx2_tile<S, 4, R>(x, w, bias, y, K, N, m, n, tail_mask);
+  if (m + 2 <= m1) avx2_tile<S, 2, R>(x, w, bias, y, K, N, m, n, tail_mask), m += 2;
+  if (m < m1) avx2_tile<S, 1, R>(x, w, bias, y, K, N, m, n, tail_mask);
 }
 
 // From WIDE rows on, weight rows go three at a time, over chunks of CHUNK rows of x: a chunk (160 KB at K = 640)
@@ -135,21 +158,22 @@ __attribute__((target("avx2,fma"))) inline void fp32_rows(const float* x, const 
 // time (the memory-bound decode).
 constexpr int64_t WIDE = 8, CHUNK = 64;
 
+template <class S>
 __attribute__((target("avx2,fma")))
-void fp32_outputs(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
-                  int64_t n0, int64_t n1) {
+void avx2_outputs(const S* x, const S* w, const float* bias, S* y, int64_t M, int64_t K, int64_t N, int64_t n0,
+                  int64_t n1) {
   alignas(32) int32_t lanes[8];
   for (int l = 0; l < 8; ++l) lanes[l] = l < K % 8 ? -1 : 0;
   const __m256i tail_mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
   if (M < WIDE) {
-    for (int64_t n = n0; n < n1; ++n) fp32_rows<1>(x, w, bias, y, K, N, 0, M, n, tail_mask);
+    for (int64_t n = n0; n < n1; ++n) avx2_rows<S, 1>(x, w, bias, y, K, N, 0, M, n, tail_mask);
     return;
   }
   for (int64_t m0 = 0; m0 < M; m0 += CHUNK) {
     const int64_t m1 = std::min(M, m0 + CHUNK);
     int64_t n = n0;
-    for (; n + 3 <= n1; n += 3) fp32_rows<3>(x, w, bias, y, K, N, m0, m1, n, tail_mask);
-    for (; n < n1; ++n) fp32_rows<1>(x, w, bias, y, K, N, m0, m1, n, tail_mask);
+    for (; n + 3 <= n1; n += 3) avx2_rows<S, 3>(x, w, bias, y, K, N, m0, m1, n, tail_mask);
+    for (; n < n1; ++n) avx2_rows<S, 1>(x, w, bias, y, K, N, m0, m1, n, tail_mask);
   }
 }
 
@@ -180,8 +204,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
     auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
     auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
     auto yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+    static const bool dpbf16 = __builtin_cpu_supports("avx512bf16");
     over_outputs(N, [&](int64_t n0, int64_t n1) {
-      bf16_outputs(xp, wp, bp, yp, M, K, N, n0, n1);
+      if (dpbf16) bf16_outputs(xp, wp, bp, yp, M, K, N, n0, n1);
+      else avx2_outputs(xp, wp, bp, yp, M, K, N, n0, n1);
     });
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kFloat, "linear: bf16 or fp32");
@@ -189,7 +215,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tens
     auto wp = w.data_ptr<float>();
     auto yp = y.data_ptr<float>();
     over_outputs(N, [&](int64_t n0, int64_t n1) {
-      fp32_outputs(xp, wp, bp, yp, M, K, N, n0, n1);
+      avx2_outputs(xp, wp, bp, yp, M, K, N, n0, n1);
     });
   }
   return y;
