@@ -32,6 +32,7 @@ def reduce_vocab(model: DraftModel, d2t: torch.Tensor) -> DraftModel:
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     cls = type(model)
     reduced = cls(dataclasses.replace(model.dconfig, draft_vocab_size=len(d2t)), model.config)
+    reduced.embed_tokens.weight = model.embed_tokens.weight  # the target's, shared (built without storage)
     reduced = reduced.to(device=device, dtype=dtype)
     hot = (torch.arange(len(d2t)) + d2t).to(device)  # target ids, increasing
     state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
@@ -40,7 +41,6 @@ def reduce_vocab(model: DraftModel, d2t: torch.Tensor) -> DraftModel:
         state["seq_head.markov_embed.weight"] = torch.cat([w1[hot], w1.new_zeros(1, w1.shape[1])])
         state["seq_head.markov_proj.weight"] = state["seq_head.markov_proj.weight"][hot]
     reduced.load_state_dict(state | {"d2t": d2t.to(device)}, strict=False)
-    reduced.embed_tokens.weight = model.embed_tokens.weight
     reduced.index_vocab()
     reduced.share_head(model.lm_head.weight)
     return reduced.eval()
