@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from services.errors import ModelLoadError
-from services.loader import resolve_device, resolve_dtype, tensor_index
+from services.loader import open_checkpoint, tensor_index
 from services.model_config import ModelConfig
 
 _EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -46,12 +46,7 @@ class TargetEmbeddings:
 def load_embeddings(model_dir: str | Path, dtype: str | torch.dtype = "auto",
                     device: str | torch.device | None = "cpu") -> TargetEmbeddings:
     """The two tensors from a Hugging Face checkpoint, in `dtype` on `device`, checked against its config."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"{model_dir}: not a directory")
-    cfg = ModelConfig.from_dir(model_dir)
-    device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
+    model_dir, cfg, dtype, device = open_checkpoint(model_dir, dtype, device)
     files = tensor_index(model_dir)
     names = [_EMBED] if cfg.tie_word_embeddings else [_EMBED, _HEAD]
     loaded = {}

@@ -100,6 +100,17 @@ def tensor_index(model_dir: Path) -> dict[str, Path]:
     return files
 
 
+def open_checkpoint(model_dir: str | Path, dtype: str | torch.dtype,
+                    device: str | torch.device | None) -> tuple[Path, ModelConfig, torch.dtype, torch.device]:
+    """A checkpoint directory → (it, its config, the dtype and device its tensors load in): one place checks them,
+    for a whole model (`load_model`) and for its embeddings alone (services/embeddings.py)."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir}: not a directory")
+    device = resolve_device(device)
+    return model_dir, ModelConfig.from_dir(model_dir), resolve_dtype(dtype, device), device
+
+
 def load_model(
     model_dir: str | Path,
     dtype: str | torch.dtype = "auto",
@@ -110,12 +121,7 @@ def load_model(
     # module, and the decoder's code stays unloaded there
     from services.model import CausalLM
 
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"{model_dir}: not a directory")
-    cfg = ModelConfig.from_dir(model_dir)
-    device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
+    model_dir, cfg, dtype, device = open_checkpoint(model_dir, dtype, device)
     with unfilled():
         model = CausalLM(cfg, tap_layers)
     expected = {k: v.shape for k, v in model.state_dict().items()}
