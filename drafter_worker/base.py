@@ -13,19 +13,17 @@ import torch
 from torch import nn
 
 from drafter_worker.config import DrafterConfig
-from services.loader import unfilled
 from services.model_config import ModelConfig
 from services.rope import RotaryTable
 
 
 class DraftModelBase(nn.Module):
-    def __init__(self, dcfg: DrafterConfig, cfg: ModelConfig):
+    def __init__(self, dcfg: DrafterConfig, cfg: ModelConfig, embed: torch.Tensor):
         super().__init__()
         self.dconfig, self.config = dcfg, cfg
-        # the target's, frozen: shared at build time (checkpoint.py: build_draft_model), so no storage or random
-        # init of its own (a real vocabulary's init was 0.65 s of each drafter's load)
-        with unfilled():
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # embed [V, d]: the target's, shared and frozen, so no storage or random init of its own (a real
+        # vocabulary's init was 0.65 s of each drafter's load)
+        self.embed_tokens = nn.Embedding.from_pretrained(embed.detach(), freeze=True)
         vd = dcfg.draft_vocab_size
         self.lm_head = nn.Linear(cfg.hidden_size, vd or cfg.vocab_size, bias=False)  # the target's, or [Vd, d]
         if vd is not None:

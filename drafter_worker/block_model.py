@@ -23,8 +23,8 @@ ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v) [B, Hkv,
 
 
 class BlockDraftModel(DraftModelBase):
-    def __init__(self, dcfg: DrafterConfig, cfg: ModelConfig):
-        super().__init__(dcfg, cfg)
+    def __init__(self, dcfg: DrafterConfig, cfg: ModelConfig, embed: torch.Tensor):
+        super().__init__(dcfg, cfg, embed)
         self.context = ContextProjection(cfg, len(dcfg.tap_layers))
         self.layers = nn.ModuleList(BlockLayer(cfg) for _ in range(dcfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -21,8 +21,8 @@ from services.model_config import ModelConfig
 
 
 class ChainDraftModel(DraftModelBase):
-    def __init__(self, dcfg: DrafterConfig, cfg: ModelConfig):
-        super().__init__(dcfg, cfg)
+    def __init__(self, dcfg: DrafterConfig, cfg: ModelConfig, embed: torch.Tensor):
+        super().__init__(dcfg, cfg, embed)
         self.context = ContextProjection(cfg, len(dcfg.tap_layers), norm=False)
         self.layer = ChainLayer(cfg, mtp=dcfg.method is Method.MTP, norm_before_residual=dcfg.norm_before_residual)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

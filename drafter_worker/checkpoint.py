@@ -39,8 +39,7 @@ def build_draft_model(dcfg: DrafterConfig, target, cfg: ModelConfig | None = Non
     loaded target or its `TargetEmbeddings`."""
     target = TargetEmbeddings.of(target)
     cls = BlockDraftModel if dcfg.method.is_block else ChainDraftModel
-    model = cls(dcfg, cfg or fresh_layers_config(target.config))
-    model.embed_tokens.weight = torch.nn.Parameter(target.embed_tokens.detach(), requires_grad=False)
+    model = cls(dcfg, cfg or fresh_layers_config(target.config), target.embed_tokens)
     model = model.to(device=target.device, dtype=target.dtype)
     if model.reduced_vocab and d2t is None:
         return model

@@ -90,25 +90,24 @@ def small_corpus(tmp_path_factory) -> dict:
 @torch.no_grad()
 def full_forward(model: CausalLM, tokens: list[int] | torch.Tensor) -> ForwardOutput:
     """One cached forward over a whole sequence from position 0, logits and features at every row."""
-    ids = torch.as_tensor(tokens)
-    n = ids.numel()
-    cache = KVCache(model.config, 1, n, model.dtype, model.device)
-    cache.allocate("x")
-    cache.append("x", n)
-    return model(ids, torch.arange(n), RaggedLayout([0], [0], [n]), cache.k, cache.v, torch.arange(n))
+    ids = torch.as_tensor(tokens).tolist()
+    return _cached_forward(model, [ids], torch.arange(len(ids)))
 
 
 @torch.no_grad()
 def next_token_logits(model: CausalLM, prefixes: list[list[int]]) -> torch.Tensor:
     """[B, V]: the logits after each prefix, in one batched forward that computes the vocabulary head at the B last
     rows only (a real model's head is most of its forward when every row pays for it)."""
-    lens = [len(p) for p in prefixes]
-    cache = KVCache(model.config, len(prefixes), max(lens), model.dtype, model.device)
-    slots = [cache.allocate(str(i)) for i in range(len(prefixes))]
+    return _cached_forward(model, prefixes, torch.tensor([len(p) for p in prefixes]).cumsum(0) - 1).logits
+
+
+def _cached_forward(model: CausalLM, sequences: list[list[int]], rows: torch.Tensor) -> ForwardOutput:
+    """The sequences from position 0, each in its own cache slot, in one ragged forward; logits at `rows`."""
+    lens = [len(p) for p in sequences]
+    cache = KVCache(model.config, len(sequences), max(lens), model.dtype, model.device)
+    slots = [cache.allocate(str(i)) for i in range(len(sequences))]
     for i, n in enumerate(lens):
         cache.append(str(i), n)
-    ids = torch.tensor([t for p in prefixes for t in p])
+    ids = torch.tensor([t for p in sequences for t in p], dtype=torch.long)
     pos = torch.cat([torch.arange(n) for n in lens])
-    last = torch.tensor(lens).cumsum(0) - 1
-    layout = RaggedLayout(slots, [0] * len(prefixes), lens)
-    return model(ids, pos, layout, cache.k, cache.v, last).logits
+    return model(ids, pos, RaggedLayout(slots, [0] * len(sequences), lens), cache.k, cache.v, rows)

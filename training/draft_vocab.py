@@ -31,8 +31,8 @@ def reduce_vocab(model: DraftModel, d2t: torch.Tensor) -> DraftModel:
         raise ValueError("reduce_vocab takes a drafter over the full vocabulary")
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     cls = type(model)
-    reduced = cls(dataclasses.replace(model.dconfig, draft_vocab_size=len(d2t)), model.config)
-    reduced.embed_tokens.weight = model.embed_tokens.weight  # the target's, shared (built without storage)
+    reduced = cls(dataclasses.replace(model.dconfig, draft_vocab_size=len(d2t)), model.config,
+                  model.embed_tokens.weight)
     reduced = reduced.to(device=device, dtype=dtype)
     hot = (torch.arange(len(d2t)) + d2t).to(device)  # target ids, increasing
     state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
