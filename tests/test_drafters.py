@@ -24,9 +24,9 @@ def target():
     return make_model(layers=3, taps=TAPS)
 
 
-def draft_model(target, method: str, head: str = "markov", seed: int = 0):
+def draft_model(target, method: str, head: str = "markov", seed: int = 0, mask: int = MASK):
     torch.manual_seed(seed)
-    cfg = default_config(method, "tiny", TAPS, MASK, head)
+    cfg = default_config(method, "tiny", TAPS, mask, head)
     model = build_draft_model(cfg, target)
     with torch.no_grad():  # random but not degenerate: the Markov projection starts at zero otherwise
         for p in model.parameters():
