@@ -15,7 +15,7 @@ import torch
 
 from drafter_worker.drafter import Drafter
 from drafter_worker.predraft import predraft
-from drafter_worker.speculation import PredraftCache, Predrafted, Steering
+from drafter_worker.speculation import Outcome, PredraftCache, Predrafted, Steering
 from services.types import DraftBlock, SamplingParams
 
 
@@ -84,11 +84,13 @@ class RunAhead:
             pass
 
     def speculation(self, sent: dict[str, tuple[list[int], DraftBlock]], gamma: int,
-                    params: dict[str, SamplingParams] | None = None, chunk: int | None = 2) -> Iterator[None]:
+                    params: dict[str, SamplingParams] | None = None, chunk: int | None = 2
+                    ) -> Iterator[dict[str, dict[Outcome, DraftBlock]]]:
         """`speculate` in pieces of `chunk` pre-drafted blocks per request, each request's likeliest outcomes
-        first; every piece is cached as it is done, so a caller that stops iterating (real drafting work came in)
-        keeps what was drafted so far. A piece spans every request (one batched drafter call): pieces of a fixed
-        size left all but the first few of a large batch without a single block in the window."""
+        first; every piece is cached as it is done (and yielded: the first one is pushed to the router), so a
+        caller that stops iterating (real drafting work came in) keeps what was drafted so far. A piece spans
+        every request (one batched drafter call): pieces of a fixed size left all but the first few of a large
+        batch without a single block in the window."""
         params = params or {}
         work = {}
         for rid, (tokens, block) in sent.items():
@@ -102,4 +104,4 @@ class RunAhead:
         for piece in predraft(self.drafter, work, gamma, self.budget, chunk and chunk * len(work)):
             for rid, blocks in piece.items():
                 self.cache.add(rid, blocks)
-            yield
+            yield piece

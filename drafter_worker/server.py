@@ -55,31 +55,35 @@ class DrafterServicer(rpc.DrafterServicer):
 
     async def _draft_one(self, msg: pb.DraftRequest) -> tuple[pb.DraftReply | None, Exception | None]:
         if msg.ahead:
-            return None, await self._ahead(msg)
+            return await self._ahead(msg)
         with self.tracer.start_as_current_span("drafter.draft", context=context_from(msg.traceparent)) as span:
             try:
-                limits = self.service.limits
-                new_ids = validate.token_ids(msg.new_ids, limits.vocab_size, "new")
-                features = validate.features(msg.features, limits.feature_width)
-                block = await self.service.draft(DraftCall(msg.request_id, msg.cycle, new_ids, msg.feature_start,
-                                                           features, validate.gamma(msg.gamma), msg.traceparent))
+                block = await self.service.draft(self._draft_call(msg, validate.gamma(msg.gamma)))
             except Exception as error:
                 return None, error
             span.set_attributes({"dspark.request_id": msg.request_id, "dspark.cycle": msg.cycle,
                                  "dspark.gamma": msg.gamma, "dspark.drafted": len(block)})
             return pb.DraftReply(request_id=msg.request_id, cycle=msg.cycle, block=codec.block_to_pb(block)), None
 
-    async def _ahead(self, msg: pb.DraftRequest) -> Exception | None:
-        """An `ahead` notice: no reply; an error only for a malformed one."""
+    def _draft_call(self, msg: pb.DraftRequest, gamma: int) -> DraftCall:
+        """The delta a DraftRequest carries (a draft request's, or a notice's for a pushed block), validated."""
+        limits = self.service.limits
+        new_ids = validate.token_ids(msg.new_ids, limits.vocab_size, "new")
+        features = validate.features(msg.features, limits.feature_width)
+        return DraftCall(msg.request_id, msg.cycle, new_ids, msg.feature_start, features, gamma, msg.traceparent)
+
+    async def _ahead(self, msg: pb.DraftRequest) -> tuple[pb.DraftReply | None, Exception | None]:
+        """An `ahead` notice → the blocks pushed (maybe none); an error only for a malformed one."""
         try:
-            if msg.new_ids or msg.features.ByteSize():
-                raise InvalidRequestError("an ahead notice carries no new_ids or features")
+            if not msg.taken and (msg.new_ids or msg.features.ByteSize()):
+                raise InvalidRequestError("an ahead notice carries new_ids or features only for a taken block")
             gamma = validate.gamma(msg.gamma)
             accept = validate.acceptance(msg.accept, gamma)
-            await self.service.ahead(AheadCall(msg.request_id, msg.cycle, gamma, accept))
+            taken = self._draft_call(msg, 0) if msg.taken else None
+            pushed = await self.service.ahead(AheadCall(msg.request_id, msg.cycle, gamma, accept, taken))
         except Exception as error:
-            return error
-        return None
+            return None, error
+        return pb.DraftReply(request_id=msg.request_id, cycle=msg.cycle, pushed=codec.pushed_to_pb(pushed)), None
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseReply:
         return pb.ReleaseReply(released=await self.service.release(request.request_id))

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from drafter_worker.ahead_window import AheadWindow
-from services.calls import AheadCall, DraftCall, OpenCall
+from services.calls import AheadCall, DraftCall, OpenCall, Pushed
 from services.errors import InvalidRequestError, StaleCycleError
 from services.lease import Lease
 from services.tier_loop import TierLoop
@@ -59,6 +59,21 @@ class _DraftSession:
     lease: Lease = field(default_factory=Lease)  # Draft streams attached; freed once none has for lease_s
     last: tuple[DraftBlock, int] | None = None  # the block answered this cycle and its γ (to draft ahead of)
     notice_at: float | None = None  # monotonic time of the ahead notice the next draft request follows
+    gamma: int = 0  # γ of the blocks drafted ahead at the last notice (a pushed block taken is cut to it)
+
+
+@dataclass(slots=True)
+class _AheadJob:
+    """An ahead notice waiting for its first piece of drafting ahead: what `ahead` answers with."""
+
+    request_id: str
+    block: DraftBlock  # as sent to verification
+    gamma: int
+    pushed: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    def push(self, blocks: list[Pushed]) -> None:
+        if not self.pushed.done():
+            self.pushed.set_result(blocks)
 
 
 @dataclass(slots=True)
@@ -85,7 +100,7 @@ class DrafterService(TierLoop):
         self.default_method = next(iter(proposers))
         self._sessions: dict[str, _DraftSession] = {}
         self._queue: list[_Queued] = []
-        self._ahead: list[tuple[str, DraftBlock, int]] = []  # (request, block as sent to verification, γ)
+        self._ahead: list[_AheadJob] = []
         self.window = AheadWindow()  # the budget of drafting ahead, sized to the verify window
         self.fallback_queue = fallback_queue  # > 0: a cache miss with this many drafts waiting gets no drafts
         self.fallbacks = 0
@@ -95,6 +110,8 @@ class DrafterService(TierLoop):
         for item in self._queue:
             if not item.done.done():
                 item.done.set_exception(reason)
+        for job in self._ahead:
+            job.push([])
 
     # ---- session calls ------------------------------------------------------------------------
     async def open(self, call: OpenCall) -> int:
@@ -137,56 +154,78 @@ class DrafterService(TierLoop):
             log.warning("request %s drafts unconstrained: %s", call.request_id, error)
 
     async def draft(self, call: DraftCall) -> DraftBlock:
-        request_id, cycle, new_ids, gamma = call.request_id, call.cycle, call.new_ids, call.gamma
-        feature_start, features = call.feature_start, call.features
         self._check_open()
         async with self._lock:
-            session = self._sessions.get(request_id)
+            session = self._sessions.get(call.request_id)
             if session is None:
-                raise StaleCycleError(f"request {request_id!r} has no draft context")
-            if cycle <= session.cycle:
-                raise StaleCycleError(f"request {request_id!r}: cycle {cycle} is stale (last {session.cycle})")
-            self._check_delta(session, new_ids, feature_start, features)
-            noticed = session.notice_at is not None  # drafted ahead for this cycle: a hit or a miss follows
-            if noticed:
-                self.window.observe_window(time.monotonic() - session.notice_at)
-                session.notice_at = None
-            self.proposers[session.method].commit(request_id, feature_start, features)
-            session.tokens.extend(new_ids)
-            session.features += 0 if features is None else len(features)
-            session.cycle = cycle
-            session.lease.touch()
-            gamma = self._room(len(session.tokens), gamma)
+                raise StaleCycleError(f"request {call.request_id!r} has no draft context")
+            if call.cycle <= session.cycle:
+                raise StaleCycleError(f"request {call.request_id!r}: cycle {call.cycle} is stale "
+                                      f"(last {session.cycle})")
+            noticed = self._apply(session, call)
+            gamma = self._room(len(session.tokens), call.gamma)
             if gamma <= 0:
                 return DraftBlock(tokens=[])
-            block = self._without_drafting(session, request_id, gamma, noticed)
+            block = self._without_drafting(session, call.request_id, gamma, noticed)
             if block is not None:
                 return block
-            item = _Queued(request_id, gamma)
+            item = _Queued(call.request_id, gamma)
             self._queue.append(item)
         self._wake.set()
         return await item.done
 
-    async def ahead(self, call: AheadCall) -> None:
-        """The block answered for `cycle` was cut to `verify_len` drafts and sent: draft ahead of its outcomes
-        (proposers with a speculation cache, `drafter_worker/ahead.py`), after any draft request waiting. A stale
-        or unknown cycle, or a proposer without a cache, is ignored: drafting ahead is an optimisation. `accept`
-        (the router's ĉ_k of the verified drafts) replaces the block's own estimate in choosing the outcomes."""
+    def _apply(self, session: _DraftSession, call: DraftCall) -> bool:
+        """Apply a call's delta (a draft request's, or a notice's for a pushed block) → whether the request drafted
+        ahead for the cycle before (a hit or a miss follows)."""
+        self._check_delta(session, call.new_ids, call.feature_start, call.features)
+        noticed = session.notice_at is not None
+        if noticed:
+            self.window.observe_window(time.monotonic() - session.notice_at)
+            session.notice_at = None
+        self.proposers[session.method].commit(call.request_id, call.feature_start, call.features)
+        session.tokens.extend(call.new_ids)
+        session.features += 0 if call.features is None else len(call.features)
+        session.cycle = call.cycle
+        session.lease.touch()
+        return noticed
+
+    async def ahead(self, call: AheadCall) -> list[Pushed]:
+        """The block answered for `cycle` (or with `taken`, the block pushed for the outcome its delta shows) was
+        cut to `verify_len` drafts and sent: draft ahead of its outcomes (proposers with a speculation cache,
+        `drafter_worker/ahead.py`), after any draft request waiting, and answer with the first piece drafted (the
+        likeliest outcomes' blocks) once it is. A stale or unknown cycle, or a proposer without a cache, gets
+        nothing: drafting ahead is an optimisation. `accept` (the router's ĉ_k of the verified drafts) replaces
+        the block's own estimate in choosing the outcomes."""
         request_id, cycle, verify_len, accept = call.request_id, call.cycle, call.verify_len, call.accept
         self._check_open()
         async with self._lock:
             session = self._sessions.get(request_id)
-            if session is None or session.cycle != cycle or session.last is None:
-                return
+            if session is None:
+                return []
+            if call.taken is not None and cycle > session.cycle:
+                self._take(session, call.taken)
+            if session.cycle != cycle or session.last is None:
+                return []
             block, gamma = session.last
-            session.last, session.notice_at = None, time.monotonic()
+            session.last, session.notice_at, session.gamma = None, time.monotonic(), gamma
             if not hasattr(self.proposers[session.method], "speculation"):
-                return
+                return []
             block = block.head(verify_len)
             if accept:  # the outcome rule reads a block's confidences as its ĉ_k: the router's measured ones win
                 block = replace(block, confidences=list(accept[: len(block)]))
-            self._ahead.append((request_id, block, gamma))
+            job = _AheadJob(request_id, block, gamma)
+            self._ahead.append(job)
         self._wake.set()
+        return await job.pushed
+
+    def _take(self, session: _DraftSession, call: DraftCall) -> None:
+        """The router verifies the block this replica pushed for the outcome `call`'s delta shows: apply the delta
+        and take that block from the cache as the one sent (a hit). Gone from the cache (a reopen between): no
+        block to draft ahead of."""
+        noticed = self._apply(session, call)
+        cached = getattr(self.proposers[session.method], "cached", None)
+        block = cached(call.request_id, session.tokens, session.gamma) if cached is not None and noticed else None
+        session.last = None if block is None else (block, session.gamma)
 
     def _without_drafting(self, session: _DraftSession, request_id: str, gamma: int, noticed: bool
                           ) -> DraftBlock | None:
@@ -247,7 +286,9 @@ class DrafterService(TierLoop):
         for item in [q for q in self._queue if q.request_id == request_id]:
             self._queue.remove(item)
             item.done.cancel()
-        self._ahead = [job for job in self._ahead if job[0] != request_id]
+        for job in [j for j in self._ahead if j.request_id == request_id]:
+            self._ahead.remove(job)
+            job.push([])
         return session is not None
 
     async def _steps(self) -> None:
@@ -279,34 +320,42 @@ class DrafterService(TierLoop):
         if self._ahead:
             self._wake.set()  # notices that came in during the step
 
-    async def _run_ahead(self, jobs: list[tuple[str, DraftBlock, int]]) -> None:
+    async def _run_ahead(self, jobs: list[_AheadJob]) -> None:
         """Draft ahead piece by piece (not timed as draft steps), the lock taken per piece, and stop as soon as a
         draft request waits or the next piece would not fit in the verify window (`ahead_window.py`): drafting
-        ahead must never delay drafting."""
+        ahead must never delay drafting. Each notice is answered after its first piece (or with nothing if none
+        was drafted); the later pieces stay in the cache for the next draft request."""
         loop = asyncio.get_running_loop()
-        notices = [s.notice_at for s in (self._sessions.get(rid) for rid, *_ in jobs) if s and s.notice_at]
+        notices = [s.notice_at for s in (self._sessions.get(job.request_id) for job in jobs) if s and s.notice_at]
         started, done = self.window.start(min(notices, default=None)), 0
-        for pieces in self._speculations(jobs):
-            while not self._queue and self.window.fits(started, done):
-                async with self._lock:
-                    t0 = time.monotonic()
-                    if await loop.run_in_executor(self._compute, next, pieces, StopIteration) is StopIteration:
-                        break
-                    self.window.observe_piece(time.monotonic() - t0)
-                    done += 1
-            if self._queue or not self.window.fits(started, done):
-                return
+        try:
+            for group, pieces in self._speculations(jobs):
+                while not self._queue and self.window.fits(started, done):
+                    async with self._lock:
+                        t0 = time.monotonic()
+                        piece = await loop.run_in_executor(self._compute, next, pieces, StopIteration)
+                        if piece is StopIteration:
+                            break
+                        self.window.observe_piece(time.monotonic() - t0)
+                        done += 1
+                    for job in group:
+                        job.push([Pushed(o.accepted, o.token, b) for o, b in piece.get(job.request_id, {}).items()])
+                if self._queue or not self.window.fits(started, done):
+                    return
+        finally:
+            for job in jobs:
+                job.push([])
 
-    def _speculations(self, jobs: list[tuple[str, DraftBlock, int]]):
-        """One piecewise speculation per (method, γ) group of the notices."""
-        groups: dict[tuple[str, int], dict[str, tuple[list[int], DraftBlock]]] = {}
-        for rid, block, gamma in jobs:
-            session = self._sessions.get(rid)
-            if session is not None:
-                groups.setdefault((session.method, gamma), {})[rid] = (list(session.tokens), block)
-        for (method, gamma), sent in groups.items():
+    def _speculations(self, jobs: list[_AheadJob]):
+        """(its notices, one piecewise speculation) per (method, γ) group of the notices."""
+        groups: dict[tuple[str, int], list[_AheadJob]] = {}
+        for job in jobs:
+            if job.request_id in self._sessions:
+                groups.setdefault((self._sessions[job.request_id].method, job.gamma), []).append(job)
+        for (method, gamma), group in groups.items():
+            sent = {job.request_id: (list(self._sessions[job.request_id].tokens), job.block) for job in group}
             params = {rid: self._sessions[rid].params for rid in sent}
-            yield self.proposers[method].speculation(sent, gamma, params)
+            yield group, self.proposers[method].speculation(sent, gamma, params)
 
     def _ready(self) -> bool:
         if self._ahead and not self._queue:
@@ -338,8 +387,8 @@ class LocalDrafter:
     async def draft(self, call: DraftCall) -> DraftBlock:
         return await self.service.draft(call)
 
-    async def ahead(self, call: AheadCall) -> None:
-        await self.service.ahead(call)
+    async def ahead(self, call: AheadCall) -> list[Pushed]:
+        return await self.service.ahead(call)
 
     async def release(self, request_id) -> None:
         await self.service.release(request_id)

@@ -7,7 +7,7 @@ import math
 import torch
 
 from protos.dspark.v1 import dspark_pb2 as pb
-from services.calls import AheadCall, DraftCall, OpenCall, PrefillCall, VerifyCall
+from services.calls import AheadCall, DraftCall, OpenCall, PrefillCall, Pushed, VerifyCall
 from services.errors import InvalidRequestError
 from services.types import (
     DraftBlock,
@@ -217,6 +217,20 @@ def draft_call_to_pb(call: DraftCall) -> pb.DraftRequest:
 
 
 def ahead_call_to_pb(call: AheadCall) -> pb.DraftRequest:
-    """An ahead notice rides the draft stream: a DraftRequest with `ahead` set and γ = the verify length."""
-    return pb.DraftRequest(request_id=call.request_id, cycle=call.cycle, gamma=call.verify_len, ahead=True,
-                           accept=call.accept or [])
+    """An ahead notice rides the draft stream: a DraftRequest with `ahead` set and γ = the verify length; a
+    notice for a pushed block carries the delta its draft call would have."""
+    msg = pb.DraftRequest(request_id=call.request_id, cycle=call.cycle, gamma=call.verify_len, ahead=True,
+                          accept=call.accept or [], taken=call.taken is not None)
+    if call.taken is not None:
+        msg.new_ids.extend(call.taken.new_ids)
+        msg.feature_start = call.taken.feature_start
+        msg.features.CopyFrom(tensor_to_pb(call.taken.features))
+    return msg
+
+
+def pushed_to_pb(pushed: list[Pushed]) -> list[pb.PushedBlock]:
+    return [pb.PushedBlock(accepted=p.accepted, token=p.token, block=block_to_pb(p.block)) for p in pushed]
+
+
+def pushed_from_pb(msgs) -> list[Pushed]:
+    return [Pushed(m.accepted, m.token, block_from_pb(m.block)) for m in msgs]

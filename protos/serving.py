@@ -88,9 +88,10 @@ def channel(address: str, tls: TlsMaterial | None = None) -> grpc.aio.Channel:
 
 async def session_stream(request_iterator, context: grpc.aio.ServicerContext, service, handle, name: str):
     """The reply stream of a Verify or Draft stream: one request per stream, attached to its session (so its lease
-    does not free it) while the stream lasts; `handle(msg)` → (reply, error) per message. A message that is
-    rejected ends the stream with its status and changes nothing, the request included; any other end of the
-    stream (the client closed or went away) releases the request, shielded from the cancellation."""
+    does not free it) while the stream lasts; `handle(msg)` → (reply, error) per message, one reply each. A
+    message that is rejected ends the stream with its status and changes nothing, the request included; any
+    other end of the stream (the client closed or went away) releases the request, shielded from the
+    cancellation."""
     attached: str | None = None
     release = True
     try:
@@ -105,8 +106,7 @@ async def session_stream(request_iterator, context: grpc.aio.ServicerContext, se
             if error is not None:
                 release = False
                 await abort_with(context, error)
-            if reply is not None:  # a message answered by no reply (a Draft stream's `ahead` notice)
-                yield reply
+            yield reply
     finally:
         if attached is not None:
             service.detach(attached)

@@ -35,6 +35,8 @@ class RouterMetrics:
             ("spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position", ("position",)))]
         self.spec_cache_hits = counter("spec_cache_hits", "Draft requests answered from the drafter's speculation "
                                        "cache (a block drafted ahead, during the verification before)")
+        self.spec_cache_pushed = counter("spec_cache_pushed", "Cycles whose block the router already held when the "
+                                         "verification before ended: pushed by the drafter, no draft request sent")
         self.spec_cache_misses = counter("spec_cache_misses", "Draft requests after an ahead notice that the "
                                          "speculation cache could not answer (drafted afresh)")
         self.ahead_accepted_per_pos = counter("spec_cache_accepted_tokens_per_pos", "Accepted draft tokens of "
@@ -104,10 +106,12 @@ class RouterMetrics:
             for pos in range(accepted):
                 self._of(per_pos, str(pos)).inc()
 
-    def ahead(self, hit: bool, accepted: int, fanout: int = 0) -> None:
-        """A draft request after an ahead notice: answered from the cache (hit) or not; `accepted`: of a hit;
-        `fanout`: the blocks the drafter had pre-drafted for the cycle's outcomes."""
+    def ahead(self, hit: bool, accepted: int, fanout: int = 0, pushed: bool = False) -> None:
+        """A cycle after an ahead notice: its block drafted ahead (hit) or not; `accepted`: of a hit; `fanout`: the
+        blocks the drafter had pre-drafted for the cycle's outcomes; `pushed`: a hit the router held already."""
         self._of(self.spec_cache_hits if hit else self.spec_cache_misses).inc()
+        if pushed:
+            self._of(self.spec_cache_pushed).inc()
         self._of(self.spec_cache_fanout).observe(fanout)
         for pos in range(accepted if hit else 0):
             self._of(self.ahead_accepted_per_pos, str(pos)).inc()

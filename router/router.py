@@ -194,10 +194,12 @@ class Router:
         with self.tracer.start_as_current_span("cycle", attributes={"dspark.cycle": s.cycle}) as span:
             bound = max_verify_len(s.spec.policy, s.spec.gamma, s.remaining)
             block = await self._draft(s, bound) if bound > 0 and not s.handed_off else None
+            held = block is not None and block is s.link.ready  # pushed with the last notice's reply: no draft call
+            s.link.ready = None  # held for this cycle only
             decision = None
             if block:
                 block, decision = self._schedule(s, block, bound)
-            ahead = ahead_notice(self.drafter, s, block, decision) if s.link.ok else None
+            ahead = ahead_notice(self.drafter, s, block, decision, current_traceparent()) if s.link.ok else None
             with self.tracer.start_as_current_span("verify") as vspan:
                 sent = time.perf_counter()
                 done = await self._verify(s, block, self._handoff(s, block))
@@ -205,10 +207,9 @@ class Router:
                 if self.observer is not None:
                     self.observer.verified(s.request.request_id, block, out)
                 vspan.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted})
-            if ahead is not None:
-                await ahead
-            if s.link.ahead_sent and block is not None:  # this cycle's draft request followed an ahead notice
-                self.metrics.ahead(block.ahead, out.num_accepted, block.fanout)
+            pushed = await ahead if ahead is not None else []
+            if s.link.ahead_sent and block is not None:  # this cycle's block followed an ahead notice
+                self.metrics.ahead(block.ahead, out.num_accepted, s.link.pushed if held else block.fanout, held)
             s.link.ahead_sent = ahead is not None
             verified_at = time.perf_counter()
             if not s.handed_off:  # a plain run's reply: several steps, none a plan's cycle, features no drafter needs
@@ -220,6 +221,7 @@ class Router:
             self.metrics.cycle(out.num_drafts, out.num_accepted)
             s.observe_cycle(verified_at - started)
             kept, text, logprobs = s.commit(out.emitted, out.logprobs)
+            s.link.take(pushed, out.num_accepted, out.emitted)
             span.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted,
                                  "dspark.emitted": len(kept), "dspark.plain_run": s.handed_off})
             return self._chunk(s, kept, text, logprobs=logprobs)
@@ -274,8 +276,12 @@ class Router:
             await self._open_drafter(s)
             if not s.link.ok:
                 return None
+        if s.link.ready is not None:  # pushed for the outcome the verification before showed
+            s.link.taken = True
+            return s.link.ready
         with self.tracer.start_as_current_span("draft", attributes={"dspark.gamma": s.spec.gamma}) as span:
             try:
+                s.link.taken = False  # the delta goes with this call
                 block = await self.drafter.draft(s.draft_call(current_traceparent()))
             except Exception as error:
                 self._detach(s, error)

@@ -12,9 +12,9 @@ import torch
 from router.scheduling.policy import Policy
 from router.text_stream import TextStream
 from services.batching import ema
-from services.calls import DraftCall, OpenCall
+from services.calls import DraftCall, OpenCall, Pushed
 from services.errors import InvalidRequestError
-from services.types import FinishReason, SamplingParams, TokenLogprobs
+from services.types import DraftBlock, FinishReason, SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,17 +83,27 @@ class DrafterLink:
     detached_at: int | None = None  # cycle at which the drafter was lost
     reattach_wait: int = 0  # cycles to wait after a loss before reopening
     ahead_sent: bool = False  # the last cycle's block went with an ahead notice to the drafter
+    ready: DraftBlock | None = None  # the block the drafter pushed for the last verification's outcome
+    taken: bool = False  # this cycle's block is a pushed one: the drafter learns the delta with the ahead notice
+    pushed: int = 0  # blocks pushed with the last reply (the fan-out a pushed block was chosen from)
 
     def opened(self) -> None:
-        self.ok = True
+        self.ok, self.ready, self.taken = True, None, False  # the open call carried the whole context
 
     def lost(self, cycle: int, max_wait: int) -> None:
-        self.ok, self.detached_at = False, cycle
+        self.ok, self.detached_at, self.ready = False, cycle, None
         self.reattach_wait = min(2 * self.reattach_wait or 1, max_wait)
 
     def drafted(self) -> None:
         """A block came back: a later loss reopens at once again."""
         self.reattach_wait = 0
+
+    def take(self, pushed: list[Pushed], num_accepted: int, emitted: list[int]) -> None:
+        """Hold the pushed block for the outcome a verification reply shows (ℓ accepted, then one token), if any:
+        what the next cycle verifies without a draft request. The choice rests on the committed outcome only."""
+        self.ready, self.pushed = None, len(pushed)
+        if len(emitted) == num_accepted + 1:
+            self.ready = next((p.block for p in pushed if (p.accepted, p.token) == (num_accepted, emitted[-1])), None)
 
     def backing_off(self, cycle: int) -> bool:
         """Lost, and too soon to reopen at `cycle`."""

@@ -68,9 +68,25 @@ class DraftCall:
 
 @dataclass(slots=True)
 class AheadCall:
-    """The block of `cycle` went to verification cut to `verify_len` drafts: draft ahead (no reply)."""
+    """The block of `cycle` went to verification cut to `verify_len` drafts: draft ahead of its outcomes, and
+    answer with the likeliest of them drafted first (`Pushed`: the router holds them before the verification
+    ends, so a hit costs it no draft round trip).
+
+    `taken`: the block in verification is one this drafter pushed the cycle before; the call carries the delta a
+    draft call would have (its cycle is this one's), applied first, and names that block as the one sent."""
 
     request_id: str
     cycle: int
     verify_len: int
     accept: list[float] | None = None  # the router's ĉ_k of each verified draft; None: the drafter's own
+    taken: DraftCall | None = None
+
+
+@dataclass(slots=True)
+class Pushed:
+    """A block drafted ahead, pushed with the reply to an ahead notice: the next block if the verification of
+    the block in flight accepts `accepted` of its drafts, then emits `token`."""
+
+    accepted: int
+    token: int
+    block: DraftBlock

@@ -205,6 +205,8 @@ DRAFT_FAULTS = [
     lambda d, m, L: setattr(m, "feature_start", d(st.integers(0, U32).filter(lambda s: s != m.feature_start))),
     lambda d, m, L: setattr(m, "gamma", d(st.integers(MAX_GAMMA + 1, U32))),
     lambda d, m, L: setattr(m, "ahead", True),  # an ahead notice carries no delta
+    lambda d, m, L: (setattr(m, "ahead", True), setattr(m, "taken", True),  # one for a pushed block: a valid delta
+                     _set(m.new_ids, [L.out_of_vocab(d)])),
     lambda d, m, L: _notice(m, d(st.integers(0, 8)), d(st.integers(1, 3))),  # accept of the wrong length
     lambda d, m, L: _notice(m, d(st.integers(1, 8)), 0, d(st.sampled_from([-0.5, 1.5, math.nan, math.inf]))),
     lambda d, m, L: (m.new_ids.extend([1] * (L.positions - m.feature_start + d(st.integers(0, 3)))),

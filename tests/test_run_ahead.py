@@ -185,6 +185,43 @@ def test_the_fan_out_follows_the_acceptance_the_router_sends():
     assert asyncio.run(run()) == [[0.9, 0.4], None]
 
 
+class _Pushing(RandomProposer):
+    """A proposer whose speculation drafts one piece, a block for the outcome (0 accepted, then 5), which its cache
+    then answers."""
+
+    def __init__(self):
+        super().__init__(96)
+
+    def speculation(self, sent, gamma, params):
+        yield {rid: {Outcome(0, 5): DraftBlock(tokens=[5, 6, 7], ahead=True)} for rid in sent}
+
+    def cached(self, request_id, tokens, gamma):
+        return DraftBlock(tokens=[5, 6, 7][:gamma], ahead=True) if tokens[-1] == 5 else None
+
+
+def test_a_notice_is_answered_with_the_blocks_pushed_and_a_taken_one_brings_its_delta():
+    async def run():
+        service = DrafterService({"random": _Pushing()}, {"random": 3})
+        await service.start()
+        await service.open(OpenCall("r", [1, 2, 3], torch.zeros(2, 4), SamplingParams()))
+        await service.draft(DraftCall("r", 1, [7], 2, torch.zeros(1, 4), 3))
+        first = await service.ahead(AheadCall("r", 1, 2))
+        # the router verified the pushed block: the notice of cycle 2 carries cycle 1's outcome as its delta
+        second = await service.ahead(AheadCall("r", 2, 3, taken=DraftCall("r", 2, [5], 3, torch.zeros(1, 4), 0)))
+        stale = await service.ahead(AheadCall("r", 2, 3, taken=DraftCall("r", 2, [5], 4, torch.zeros(1, 4), 0)))
+        session = service._sessions["r"]
+        state = (list(session.tokens), session.features, session.cycle)
+        block = await service.draft(DraftCall("r", 3, [6, 8], 4, torch.zeros(2, 4), 3))  # the delta after cycle 2
+        await service.stop()
+        return first, second, stale, state, block
+
+    first, second, stale, state, block = asyncio.run(run())
+    assert [(p.accepted, p.token, p.block.tokens) for p in first] == [(0, 5, [5, 6, 7])]
+    assert [(p.accepted, p.token) for p in second] == [(0, 5)]  # it drafted ahead of the block it pushed
+    assert stale == []  # a cycle already applied changes nothing
+    assert state == ([1, 2, 3, 7, 5], 4, 2) and len(block) == 3
+
+
 def test_steering_scales_the_top_tokens_of_the_rows_that_draft_ahead():
     q = torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]])
     out = Steering(top=1, factor=0.5).apply(q, torch.tensor([True, False]))

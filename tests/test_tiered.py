@@ -366,7 +366,8 @@ def test_a_lost_drafter_is_reattached_and_drafts_again(tokenizer):
 
 def test_drafting_ahead_over_grpc_keeps_greedy_exact_and_hits(tokenizer):
     """A drafter replica with a speculation cache, a router sending ahead notices: the same tokens as plain
-    greedy decoding, and some draft requests answered from the cache (counted by the router)."""
+    greedy decoding, and some cycles' blocks drafted ahead (counted by the router), some of them pushed with the
+    notice's reply (the router sent no draft request for them)."""
     drafter_proc = start_tier("drafter", drafter_settings(ahead_budget=24))
     verifier_proc = start_tier("verifier", verifier_settings())
     requests = [RouterRequest(tokenizer.encode(p), SamplingParams(max_tokens=40), request_id=f"ahead-{i}",
@@ -379,7 +380,8 @@ def test_drafting_ahead_over_grpc_keeps_greedy_exact_and_hits(tokenizer):
         router = _router(verifier, drafter, tokenizer)
         outputs = await asyncio.gather(*[_collect(router, r) for r in requests])
         m = router.metrics
-        counts = (m.spec_cache_hits.labels("")._value.get(), m.spec_cache_misses.labels("")._value.get())
+        counts = (m.spec_cache_hits.labels("")._value.get(), m.spec_cache_misses.labels("")._value.get(),
+                  m.spec_cache_pushed.labels("")._value.get())
         fanout = m.spec_cache_fanout.labels("")
         counts += (fanout._sum.get(), sum(b.get() for b in fanout._buckets))
         dload = await drafter.load()
@@ -388,11 +390,12 @@ def test_drafting_ahead_over_grpc_keeps_greedy_exact_and_hits(tokenizer):
         return outputs, counts, dload
 
     try:
-        outputs, (hits, misses, fanout_sum, fanout_count), dload = asyncio.run(run())
+        outputs, (hits, misses, pushed, fanout_sum, fanout_count), dload = asyncio.run(run())
     finally:
         drafter_proc.stop()
         verifier_proc.stop()
     assert outputs == plain_greedy([r.prompt_ids for r in requests], [r.params.max_tokens for r in requests])
     assert hits > 0 and misses > 0
+    assert 0 < pushed <= hits  # some blocks the router held when the verification ended: no draft request
     assert fanout_count == hits + misses and fanout_sum >= hits  # the fan-out crossed the wire with each reply
     assert dload.contexts == 0

@@ -20,7 +20,7 @@ from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import channel
 from protos.status import error_from_rpc
-from services.calls import AheadCall, DraftCall, OpenCall, PrefillCall, VerifyCall
+from services.calls import AheadCall, DraftCall, OpenCall, PrefillCall, Pushed, VerifyCall
 from services.errors import TierUnavailableError
 from services.tls import TlsMaterial
 from services.types import DraftBlock, Prefilled, Verified, VerifierProfile
@@ -32,18 +32,6 @@ class _StreamPool:
     def __init__(self, address: str, open_call, timeout_s: float):
         self.address, self.timeout_s, self._open_call = address, timeout_s, open_call
         self._streams: dict[str, grpc.aio.StreamStreamCall] = {}
-
-    async def send(self, request_id: str, message) -> None:
-        """Write a message that gets no reply (a Draft stream's ahead notice) on the request's open stream; with
-        none open, nothing (the notice only helps a stream already drafting)."""
-        call = self._streams.get(request_id)
-        if call is None:
-            return
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                await call.write(message)
-        except (grpc.aio.AioRpcError, TimeoutError, grpc.aio.UsageError, ConnectionError, asyncio.InvalidStateError):
-            self.drop(request_id)  # the next exchange reopens the stream and learns whether the replica is there
 
     async def exchange(self, request_id: str, message):
         call = self._streams.get(request_id)
@@ -158,8 +146,9 @@ class GrpcDrafter:
         reply = await self._streams.exchange(call.request_id, codec.draft_call_to_pb(call))
         return codec.block_from_pb(reply.block)
 
-    async def ahead(self, call: AheadCall) -> None:
-        await self._streams.send(call.request_id, codec.ahead_call_to_pb(call))
+    async def ahead(self, call: AheadCall) -> list[Pushed]:
+        reply = await self._streams.exchange(call.request_id, codec.ahead_call_to_pb(call))
+        return codec.pushed_from_pb(reply.pushed)
 
     def forget(self, request_id) -> None:
         """Cancel the request's stream without waiting on this replica (it is presumed lost)."""

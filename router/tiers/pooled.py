@@ -19,7 +19,7 @@ from typing import Protocol
 
 from router.metrics import RouterMetrics
 from router.tiers.replicas import Member, ReplicaSet
-from services.calls import AheadCall, DraftCall, OpenCall, PrefillCall, VerifyCall
+from services.calls import AheadCall, DraftCall, OpenCall, PrefillCall, Pushed, VerifyCall
 from services.errors import StaleCycleError, TierUnavailableError
 from services.types import DraftBlock, Prefilled, Verified, VerifierProfile
 
@@ -125,10 +125,11 @@ class PooledDrafter(_Pooled):
             self._lost(rid, client, error)
             raise
 
-    async def ahead(self, call: AheadCall) -> None:
+    async def ahead(self, call: AheadCall) -> list[Pushed]:
         placed = self.replicas.placed(call.request_id)
-        if placed is not None:  # else the next draft request finds the replica gone
-            await placed[1].ahead(call)
+        if placed is None:  # the next draft request finds the replica gone
+            return []
+        return await placed[1].ahead(call)
 
 
 

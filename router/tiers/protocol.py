@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from services.calls import AheadCall, DraftCall, OpenCall, PrefillCall, VerifyCall
+from services.calls import AheadCall, DraftCall, OpenCall, PrefillCall, Pushed, VerifyCall
 from services.types import DraftBlock, Prefilled, Verified, VerifierProfile
 
 
@@ -32,8 +32,8 @@ class DrafterTier(Protocol):
 
     async def draft(self, call: DraftCall) -> DraftBlock: ...
 
-    async def ahead(self, call: AheadCall) -> None:
-        """Draft ahead for the cut of a block sent to verification (no reply)."""
+    async def ahead(self, call: AheadCall) -> list[Pushed]:
+        """Draft ahead for the cut of a block sent to verification → the blocks pushed, likeliest first."""
 
     async def release(self, request_id: str) -> None: ...
 

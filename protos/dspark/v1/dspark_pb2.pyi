@@ -321,7 +321,7 @@ class OpenReply(_message.Message):
     def __init__(self, context_length: _Optional[int] = ..., method: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("request_id", "cycle", "new_ids", "feature_start", "features", "gamma", "traceparent", "ahead", "accept")
+    __slots__ = ("request_id", "cycle", "new_ids", "feature_start", "features", "gamma", "traceparent", "ahead", "accept", "taken")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     NEW_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +331,7 @@ class DraftRequest(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cycle: int
     new_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -340,17 +341,30 @@ class DraftRequest(_message.Message):
     traceparent: str
     ahead: bool
     accept: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., new_ids: _Optional[_Iterable[int]] = ..., feature_start: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., gamma: _Optional[int] = ..., traceparent: _Optional[str] = ..., ahead: _Optional[bool] = ..., accept: _Optional[_Iterable[float]] = ...) -> None: ...
+    taken: bool
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., new_ids: _Optional[_Iterable[int]] = ..., feature_start: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., gamma: _Optional[int] = ..., traceparent: _Optional[str] = ..., ahead: _Optional[bool] = ..., accept: _Optional[_Iterable[float]] = ..., taken: _Optional[bool] = ...) -> None: ...
 
 class DraftReply(_message.Message):
-    __slots__ = ("request_id", "cycle", "block")
+    __slots__ = ("request_id", "cycle", "block", "pushed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cycle: int
     block: DraftBlock
-    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., block: _Optional[_Union[DraftBlock, _Mapping]] = ...) -> None: ...
+    pushed: _containers.RepeatedCompositeFieldContainer[PushedBlock]
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., block: _Optional[_Union[DraftBlock, _Mapping]] = ..., pushed: _Optional[_Iterable[_Union[PushedBlock, _Mapping]]] = ...) -> None: ...
+
+class PushedBlock(_message.Message):
+    __slots__ = ("accepted", "token", "block")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    token: int
+    block: DraftBlock
+    def __init__(self, accepted: _Optional[int] = ..., token: _Optional[int] = ..., block: _Optional[_Union[DraftBlock, _Mapping]] = ...) -> None: ...
 
 class DrafterLoadReply(_message.Message):
     __slots__ = ("contexts", "streams", "queued", "step_ms_ema", "steps")

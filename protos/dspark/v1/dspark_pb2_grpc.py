@@ -329,7 +329,8 @@ class DrafterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Draft(self, request_iterator, context):
-        """One stream per request: one DraftRequest per cycle (the delta since the last one), one DraftReply.
+        """One stream per request: one DraftRequest per cycle (the delta since the last one), one DraftReply; an
+        ahead notice is a DraftRequest as well, answered by its own DraftReply.
         FAILED_PRECONDITION for a request id with no open context, or a cycle not after the last one applied.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
