@@ -67,12 +67,12 @@ async def one_round(addresses, tok, method: str, c: int, ahead: bool, args, tag:
     speeds = await asyncio.gather(*[run(i, PROMPTS[i % len(PROMPTS)]) for i in range(c)])
     m = router.metrics
     value = lambda counter: counter.labels("")._value.get()  # noqa: E731
-    hits, misses = value(m.spec_cache_hits), value(m.spec_cache_misses)
+    hits, misses, pushed = value(m.spec_cache_hits), value(m.spec_cache_misses), value(m.spec_cache_pushed)
     cycles, accepted = m.totals()
     ahead_accepted = sum(s.value for s in m.ahead_accepted_per_pos.collect()[0].samples if s.name.endswith("_total"))
     await verifier.close()
     await drafter.close()
-    return {"tok_s": statistics.mean(speeds), "hits": hits, "misses": misses, "cycles": cycles,
+    return {"tok_s": statistics.mean(speeds), "hits": hits, "misses": misses, "pushed": pushed, "cycles": cycles,
             "accepted": accepted, "ahead_accepted": ahead_accepted}
 
 
@@ -199,6 +199,7 @@ def _row(method: str, c: int, runs: dict[bool, list[dict]]) -> dict:
     lookups = total("hits") + total("misses")
     return {"method": method, "c": c, "tok_s_off": round(off, 1), "tok_s_ahead": round(on, 1),
             "ratio": round(on / off, 3), "hit_rate": round(total("hits") / lookups, 3) if lookups else None,
+            "pushed_rate": round(total("pushed") / lookups, 3) if lookups else None,
             "accepted_per_cycle": round(total("accepted") / max(1, total("cycles")), 3),
             "accepted_per_cached_cycle": round(total("ahead_accepted") / max(1, total("hits")), 3)}
 

@@ -178,6 +178,7 @@ class DrafterService(TierLoop):
         """Apply a call's delta (a draft request's, or a notice's for a pushed block) → whether the request drafted
         ahead for the cycle before (a hit or a miss follows)."""
         self._check_delta(session, call.new_ids, call.feature_start, call.features)
+        self._drop_ahead(call.request_id)  # a notice not started yet is stale now: its outcome is known
         noticed = session.notice_at is not None
         if noticed:
             self.window.observe_window(time.monotonic() - session.notice_at)
@@ -286,10 +287,13 @@ class DrafterService(TierLoop):
         for item in [q for q in self._queue if q.request_id == request_id]:
             self._queue.remove(item)
             item.done.cancel()
+        self._drop_ahead(request_id)
+        return session is not None
+
+    def _drop_ahead(self, request_id: str) -> None:
         for job in [j for j in self._ahead if j.request_id == request_id]:
             self._ahead.remove(job)
             job.push([])
-        return session is not None
 
     async def _steps(self) -> None:
         async with self._lock:

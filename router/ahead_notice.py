@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 def ahead_notice(drafter: DrafterTier, s: Session, block: DraftBlock | None, decision: Decision | None,
                  traceparent: str = "") -> asyncio.Task | None:
     """The notice as a task started beside the verify call (its result: the blocks pushed), or None when the
-    request does not draft ahead this cycle. The caller awaits it after the verification, so the next draft
-    request follows its reply on the stream."""
+    request does not draft ahead this cycle. The caller reads it after the verification if it is done, and
+    does not wait for it otherwise: the next call on the request's stream is answered after it."""
     if not s.spec.ahead or not block:
         return None
     accept = decision.accept[: len(block)] if decision is not None else None  # the block is its first ℓ drafts

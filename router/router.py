@@ -207,7 +207,9 @@ class Router:
                 if self.observer is not None:
                     self.observer.verified(s.request.request_id, block, out)
                 vspan.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted})
-            pushed = await ahead if ahead is not None else []
+            # What the drafter pushed by the time the verification ended; a reply still on its way is not waited
+            # for: the next draft request follows the notice on the stream (and is answered from the cache).
+            pushed = ahead.result() if ahead is not None and ahead.done() else []
             if s.link.ahead_sent and block is not None:  # this cycle's block followed an ahead notice
                 self.metrics.ahead(block.ahead, out.num_accepted, s.link.pushed if held else block.fanout, held)
             s.link.ahead_sent = ahead is not None

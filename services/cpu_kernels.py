@@ -6,17 +6,21 @@ product, so a row's bits do not depend on the step's other rows. It needs AVX2 +
 registers; AVX512-BF16's dot products where the CPU has them). The fused kernels (decoder layer, Markov head)
 serve bf16 on AVX512-BF16 only: `available` says which dtypes they serve, `linear_available` the linear's.
 
-The build (about a minute, once per machine: torch caches it under ~/.cache/torch_extensions) needs a C++
+The build (about a minute, once per checkout: cached under ~/.cache/torch_extensions) needs a C++
 compiler; without one, or with `DSPARK_CPU_KERNELS=0`, `available` says no and the linears run on oneDNN
 (services/packed_linear.py), which is batch invariant too, only slower at these shapes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -47,11 +51,30 @@ def _module() -> ModuleType | None:
         # The loader rebuilds when a source changes, not a header: their hash goes into the flags, so it does.
         headers = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(SOURCES[0].parent.glob("*.h"))))
         flags = ["-O3", "-fopenmp", f"-DDSPARK_HEADERS={headers.hexdigest()[:16]}"]
-        return load("dspark_cpu_kernels", [str(s) for s in SOURCES], extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        with _build_lock() as directory:
+            return load("dspark_cpu_kernels", [str(s) for s in SOURCES], extra_cflags=flags,
+                        extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
     except Exception as exc:  # no compiler, no headers: the oneDNN path serves instead
         log.warning("CPU kernels unavailable (%s: %s); linears run on oneDNN", type(exc).__name__, exc)
         return None
+
+
+@contextlib.contextmanager
+def _build_lock() -> Iterator[Path]:
+    """The build directory of this checkout's kernels, held under a lock the kernel frees when its holder dies.
+
+    torch's loader guards a build with a lock *file* and waits for it to go away; a process killed mid-build
+    (a timed-out start, a cancelled run) leaves it, and every later process waited forever. Under this lock
+    no other build runs, so such a file is stale and goes. One directory per checkout: two checkouts' sources
+    (a worktree, a clean clone) would each rebuild over the other's objects in a shared one."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    where = hashlib.sha256(str(SOURCES[0].parent.resolve()).encode()).hexdigest()[:12]
+    directory = root / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / f"dspark_cpu_kernels-{where}"
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        yield directory
 
 
 def _put_ninja_on_path() -> None:

@@ -124,3 +124,13 @@ def test_a_compiled_graph_gives_the_eager_bits(dtype, way):
         torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
     else:
         assert torch.equal(compiled, eager)
+
+
+def test_a_build_killed_mid_way_does_not_hold_the_next_one(tmp_path, monkeypatch):
+    """torch's loader waits while its lock file exists; one left by a killed build goes under the kernel lock."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with cpu_kernels._build_lock() as directory:
+        (directory / "lock").touch()  # what a build killed mid-way leaves
+    with cpu_kernels._build_lock() as again:
+        assert again == directory and not (again / "lock").exists()
+    assert directory.parent.parent == tmp_path and directory.name.startswith("dspark_cpu_kernels-")

@@ -26,21 +26,47 @@ from services.tls import TlsMaterial
 from services.types import DraftBlock, Prefilled, Verified, VerifierProfile
 
 
+class _Stream:
+    """A request's bidi stream. Exchanges may overlap (an ahead notice's reply is still due when the next draft
+    request goes out): each writes in turn and reads its reply after the replies of the exchanges written
+    before it, as the server answers in order."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall):
+        self.call = call
+        self._writing = asyncio.Lock()  # FIFO: the order of writes is the order of replies
+        self._last: asyncio.Future | None = None  # done once the latest exchange written has read its reply
+
+    async def exchange(self, message):
+        async with self._writing:
+            before = self._last
+            mine = self._last = asyncio.get_running_loop().create_future()
+            try:
+                await self.call.write(message)
+            except BaseException:
+                mine.set_result(None)
+                raise
+        try:
+            if before is not None:
+                await asyncio.wait([before])  # its reply comes first, and its exchange reads it
+            return await self.call.read()
+        finally:
+            mine.set_result(None)
+
+
 class _StreamPool:
     """One bidi stream per request id over one channel."""
 
     def __init__(self, address: str, open_call, timeout_s: float):
         self.address, self.timeout_s, self._open_call = address, timeout_s, open_call
-        self._streams: dict[str, grpc.aio.StreamStreamCall] = {}
+        self._streams: dict[str, _Stream] = {}
 
     async def exchange(self, request_id: str, message):
-        call = self._streams.get(request_id)
-        if call is None:
-            call = self._streams[request_id] = self._open_call()
+        stream = self._streams.get(request_id)
+        if stream is None:
+            stream = self._streams[request_id] = _Stream(self._open_call())
         try:
             async with asyncio.timeout(self.timeout_s):  # one deadline for the exchange; no task per await
-                await call.write(message)
-                reply = await call.read()
+                reply = await stream.exchange(message)
         except grpc.aio.AioRpcError as error:
             self.drop(request_id)
             raise error_from_rpc(error, self.address) from None
@@ -56,15 +82,15 @@ class _StreamPool:
             self.drop(request_id)
             raise TierUnavailableError(f"{self.address}: stream closed") from None
         if reply is grpc.aio.EOF:
-            code, details = await call.code(), await call.details()
+            code, details = await stream.call.code(), await stream.call.details()
             self.drop(request_id)
             raise error_from_rpc(_Failed(code, details), self.address)
         return reply
 
     def drop(self, request_id: str) -> None:
-        call = self._streams.pop(request_id, None)
-        if call is not None:
-            call.cancel()
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.call.cancel()
 
     def close_all(self) -> None:
         for rid in list(self._streams):
