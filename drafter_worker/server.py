@@ -7,6 +7,8 @@ status and keeps the context.
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from opentelemetry import trace
 
@@ -73,17 +75,19 @@ class DrafterServicer(rpc.DrafterServicer):
         return DraftCall(msg.request_id, msg.cycle, new_ids, msg.feature_start, features, gamma, msg.traceparent)
 
     async def _ahead(self, msg: pb.DraftRequest) -> tuple[pb.DraftReply | None, Exception | None]:
-        """An `ahead` notice → the blocks pushed (maybe none); an error only for a malformed one."""
+        """An `ahead` notice → its reply, the blocks pushed (maybe none), as a future: the stream reads the next
+        message meanwhile (a draft request must not wait behind drafting ahead); an error only for a malformed
+        one."""
         try:
             if not msg.taken and (msg.new_ids or msg.features.ByteSize()):
                 raise InvalidRequestError("an ahead notice carries new_ids or features only for a taken block")
             gamma = validate.gamma(msg.gamma)
             accept = validate.acceptance(msg.accept, gamma)
             taken = self._draft_call(msg, 0) if msg.taken else None
-            pushed = await self.service.ahead(AheadCall(msg.request_id, msg.cycle, gamma, accept, taken))
+            pushed = await self.service.notice(AheadCall(msg.request_id, msg.cycle, gamma, accept, taken))
         except Exception as error:
             return None, error
-        return pb.DraftReply(request_id=msg.request_id, cycle=msg.cycle, pushed=codec.pushed_to_pb(pushed)), None
+        return asyncio.ensure_future(_pushed_reply(msg, pushed)), None
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseReply:
         return pb.ReleaseReply(released=await self.service.release(request.request_id))
@@ -92,3 +96,7 @@ class DrafterServicer(rpc.DrafterServicer):
         load = self.service.load()
         return pb.DrafterLoadReply(contexts=load.contexts, streams=self.streams, queued=load.queued,
                                    step_ms_ema=load.step_ms_ema, steps=load.steps)
+
+
+async def _pushed_reply(msg: pb.DraftRequest, pushed: asyncio.Future) -> pb.DraftReply:
+    return pb.DraftReply(request_id=msg.request_id, cycle=msg.cycle, pushed=codec.pushed_to_pb(await pushed))

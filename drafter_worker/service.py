@@ -191,33 +191,40 @@ class DrafterService(TierLoop):
         return noticed
 
     async def ahead(self, call: AheadCall) -> list[Pushed]:
+        """`notice`, then its blocks once drafted."""
+        return await (await self.notice(call))
+
+    async def notice(self, call: AheadCall) -> asyncio.Future:
         """The block answered for `cycle` (or with `taken`, the block pushed for the outcome its delta shows) was
         cut to `verify_len` drafts and sent: draft ahead of its outcomes (proposers with a speculation cache,
-        `drafter_worker/ahead.py`), after any draft request waiting, and answer with the first piece drafted (the
-        likeliest outcomes' blocks) once it is. A stale or unknown cycle, or a proposer without a cache, gets
-        nothing: drafting ahead is an optimisation. `accept` (the router's ĉ_k of the verified drafts) replaces
-        the block's own estimate in choosing the outcomes."""
+        `drafter_worker/ahead.py`), after any draft request waiting. → a future of the blocks to push: the first
+        piece drafted (the likeliest outcomes), or none if no piece was drafted before the request's next draft
+        request. A stale or unknown cycle, or a proposer without a cache, gets none at once: drafting ahead is an
+        optimisation. `accept` (the router's ĉ_k of the verified drafts) replaces the block's own estimate in
+        choosing the outcomes."""
         request_id, cycle, verify_len, accept = call.request_id, call.cycle, call.verify_len, call.accept
         self._check_open()
+        nothing = asyncio.get_running_loop().create_future()
+        nothing.set_result([])
         async with self._lock:
             session = self._sessions.get(request_id)
             if session is None:
-                return []
+                return nothing
             if call.taken is not None and cycle > session.cycle:
                 self._take(session, call.taken)
             if session.cycle != cycle or session.last is None:
-                return []
+                return nothing
             block, gamma = session.last
             session.last, session.notice_at, session.gamma = None, time.monotonic(), gamma
             if not hasattr(self.proposers[session.method], "speculation"):
-                return []
+                return nothing
             block = block.head(verify_len)
             if accept:  # the outcome rule reads a block's confidences as its ĉ_k: the router's measured ones win
                 block = replace(block, confidences=list(accept[: len(block)]))
             job = _AheadJob(request_id, block, gamma)
             self._ahead.append(job)
         self._wake.set()
-        return await job.pushed
+        return job.pushed
 
     def _take(self, session: _DraftSession, call: DraftCall) -> None:
         """The router verifies the block this replica pushed for the outcome `call`'s delta shows: apply the delta

@@ -149,7 +149,7 @@ class _Observer:
     def running(self, request_id: str) -> None:
         self.tallies[request_id].running = time.perf_counter()
 
-    def verified(self, request_id: str, block: DraftBlock | None, output: StepOutput) -> None:
-        self.tallies[request_id].verified(block, output)
+    def verified(self, request_id: str, block: DraftBlock | None, output: StepOutput, pushed: bool) -> None:
+        self.tallies[request_id].verified(block, output, pushed)
         if self.cycles is not None:
             self.cycles(request_id, block, output)

@@ -37,6 +37,7 @@ class GenerationResult:
     prompt_logprobs: TokenLogprobs | None = None  # prompt tokens 1.. when params.prompt_logprobs is set
     ahead_cycles: int = 0  # cycles verifying a block drafted ahead (drafter_worker/ahead.py)
     ahead_accepted: int = 0  # drafts accepted in them
+    pushed_cycles: int = 0  # of the ahead cycles, those whose block the drafter pushed (no draft request)
 
     @property
     def tau(self) -> float:
@@ -75,10 +76,11 @@ class ResultTally:
     proposed_per_pos: list[int] = field(default_factory=list)
     ahead_cycles: int = 0
     ahead_accepted: int = 0
+    pushed_cycles: int = 0
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
 
-    def verified(self, block: DraftBlock | None, out: StepOutput) -> None:
+    def verified(self, block: DraftBlock | None, out: StepOutput, pushed: bool = False) -> None:
         # A reply without drafts may be a plain run's (RouterConfig.plain): one step per token emitted.
         self.cycles += 1 if out.num_drafts else max(1, len(out.emitted))
         self.cycle_tokens += len(out.emitted)
@@ -89,6 +91,7 @@ class ResultTally:
         if block is not None and block.ahead:
             self.ahead_cycles += 1
             self.ahead_accepted += out.num_accepted
+            self.pushed_cycles += pushed
 
     def chunk(self, chunk: Chunk) -> None:
         self.output.extend(chunk.token_ids)
@@ -108,4 +111,5 @@ class ResultTally:
             draft_tokens=self.draft_tokens, accepted_tokens=self.accepted_tokens,
             accepted_per_pos=self.accepted_per_pos, proposed_per_pos=self.proposed_per_pos,
             elapsed_s=self.finished - running, queued_s=running - self.queued, logprobs=self.logprobs,
-            prompt_logprobs=self.prompt_logprobs, ahead_cycles=self.ahead_cycles, ahead_accepted=self.ahead_accepted)
+            prompt_logprobs=self.prompt_logprobs, ahead_cycles=self.ahead_cycles, ahead_accepted=self.ahead_accepted,
+            pushed_cycles=self.pushed_cycles)

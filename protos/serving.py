@@ -88,26 +88,44 @@ def channel(address: str, tls: TlsMaterial | None = None) -> grpc.aio.Channel:
 
 async def session_stream(request_iterator, context: grpc.aio.ServicerContext, service, handle, name: str):
     """The reply stream of a Verify or Draft stream: one request per stream, attached to its session (so its lease
-    does not free it) while the stream lasts; `handle(msg)` → (reply, error) per message, one reply each. A
-    message that is rejected ends the stream with its status and changes nothing, the request included; any
-    other end of the stream (the client closed or went away) releases the request, shielded from the
-    cancellation."""
+    does not free it) while the stream lasts; `handle(msg)` → (reply, error) per message, one reply each, in the
+    order of the messages. Messages are handled one after the other; a reply that is a future (a Draft stream's
+    ahead notice: the blocks drafted ahead come later) is written when it resolves, and the messages after it are
+    read and handled meanwhile. A message that is rejected ends the stream with its status and changes nothing,
+    the request included, and no message after it is handled; any other end of the stream (the client closed or
+    went away) releases the request, shielded from the cancellation."""
     attached: str | None = None
     release = True
+    replies: asyncio.Queue = asyncio.Queue()  # (reply, error) per message handled, then None
+
+    async def read() -> None:
+        nonlocal attached
+        try:
+            async for msg in request_iterator:
+                if attached is None:
+                    attached = msg.request_id
+                    service.attach(attached)
+                if msg.request_id != attached:
+                    replies.put_nowait((None, InvalidRequestError(f"one request per {name} stream")))
+                    return
+                reply, error = await handle(msg)
+                replies.put_nowait((reply, error))
+                if error is not None:
+                    return
+        finally:
+            replies.put_nowait(None)
+
+    reader = asyncio.create_task(read())
     try:
-        async for msg in request_iterator:
-            if attached is None:
-                attached = msg.request_id
-                service.attach(attached)
-            if msg.request_id != attached:
-                release = False
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"one request per {name} stream")
-            reply, error = await handle(msg)
+        while (item := await replies.get()) is not None:
+            reply, error = item
             if error is not None:
                 release = False
                 await abort_with(context, error)
-            yield reply
+            yield await reply if isinstance(reply, asyncio.Future) else reply
+        await reader  # its failure, if any, is the stream's
     finally:
+        reader.cancel()
         if attached is not None:
             service.detach(attached)
             if release:

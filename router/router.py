@@ -59,8 +59,9 @@ class RouterObserver(Protocol):
     def running(self, request_id: str) -> None:
         """The request took a running slot: its queueing ends, its prefill starts."""
 
-    def verified(self, request_id: str, block: DraftBlock | None, output: StepOutput) -> None:
-        """A cycle came back: the block sent (its first ℓ drafts, or None) and the verifier's outcome."""
+    def verified(self, request_id: str, block: DraftBlock | None, output: StepOutput, pushed: bool) -> None:
+        """A cycle came back: the block sent (its first ℓ drafts, or None), the verifier's outcome, and whether
+        the block was pushed by the drafter (held when the verification before ended: no draft request)."""
 
 
 class Router:
@@ -205,7 +206,7 @@ class Router:
                 done = await self._verify(s, block, self._handoff(s, block))
                 out = done.output
                 if self.observer is not None:
-                    self.observer.verified(s.request.request_id, block, out)
+                    self.observer.verified(s.request.request_id, block, out, held)
                 vspan.set_attributes({"dspark.verify_len": out.num_drafts, "dspark.accepted": out.num_accepted})
             # What the drafter pushed by the time the verification ended; a reply still on its way is not waited
             # for: the next draft request follows the notice on the stream (and is answered from the cache).

@@ -8,6 +8,7 @@ import torch
 from protos import codec
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.generate import drift
+from services.calls import AheadCall, DraftCall, Pushed
 from services.errors import InvalidRequestError
 from services.types import DraftBlock, OutcomeKind, SamplingParams, StepOutput, TokenLogprobs
 
@@ -35,6 +36,22 @@ def test_sparse_q_round_trip_is_exact_fp32():
     assert back.confidences == pytest.approx(block.confidences)  # estimates travel as fp32
     greedy = codec.block_from_pb(codec.block_to_pb(DraftBlock(tokens=[1, 2])))
     assert greedy.q_ids is None and greedy.confidences is None
+
+
+def test_an_ahead_notice_for_a_pushed_block_carries_its_delta_and_the_reply_its_blocks():
+    taken = DraftCall("r", 5, [4, 9], 11, torch.randn(2, 6), 0)
+    msg = pb.DraftRequest.FromString(codec.ahead_call_to_pb(AheadCall("r", 5, 3, [0.5, 0.25, 0.75], taken))
+                                     .SerializeToString())
+    assert (msg.ahead, msg.taken, list(msg.new_ids), msg.feature_start, msg.gamma) == (True, True, [4, 9], 11, 3)
+    assert torch.equal(codec.tensor_from_pb(msg.features), taken.features)
+    plain = codec.ahead_call_to_pb(AheadCall("r", 5, 3))
+    assert not plain.taken and not plain.new_ids and not plain.features.ByteSize()
+    pushed = [Pushed(0, 7, DraftBlock(tokens=[1, 2, 3], confidences=[0.5, 0.5, 0.5], ahead=True)), Pushed(2, 8,
+              DraftBlock(tokens=[4]))]
+    reply = pb.DraftReply.FromString(pb.DraftReply(pushed=codec.pushed_to_pb(pushed)).SerializeToString())
+    back = codec.pushed_from_pb(reply.pushed)
+    assert [(p.accepted, p.token, p.block.tokens, p.block.ahead) for p in back] == [(0, 7, [1, 2, 3], True),
+                                                                                  (2, 8, [4], False)]
 
 
 def test_outcome_and_params_round_trip():

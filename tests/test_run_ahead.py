@@ -100,6 +100,7 @@ def test_greedy_with_the_drafter_ahead_equals_plain(target, method, monkeypatch)
     stats = ahead.cache.stats
     assert stats.hits > 0 and stats.misses > 0 and stats.fanout > 0
     assert sum(r.ahead_cycles for r in spec) == stats.hits  # every hit was verified as a block drafted ahead
+    assert sum(r.pushed_cycles for r in spec) > 0  # some of them pushed: the router sent no draft request
 
 
 @pytest.mark.slow

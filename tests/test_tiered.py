@@ -396,6 +396,7 @@ def test_drafting_ahead_over_grpc_keeps_greedy_exact_and_hits(tokenizer):
         verifier_proc.stop()
     assert outputs == plain_greedy([r.prompt_ids for r in requests], [r.params.max_tokens for r in requests])
     assert hits > 0 and misses > 0
-    assert 0 < pushed <= hits  # some blocks the router held when the verification ended: no draft request
+    assert pushed <= hits  # those the router held when the verification ended (how many: timing; in process
+    # tests/test_run_ahead.py counts them with a slower target)
     assert fanout_count == hits + misses and fanout_sum >= hits  # the fan-out crossed the wire with each reply
     assert dload.contexts == 0
