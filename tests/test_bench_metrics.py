@@ -204,10 +204,11 @@ def test_spec_decode_reads_the_speculation_cache_hit_rate():
     m = RouterMetrics(model="x")
     before = scrape(_expose(m))
     assert spec_decode(before, before)["spec_cache_hit_rate"] is None  # no draft request followed a notice
-    for hit in (True, True, False):
-        m.ahead(hit, 2)
+    for hit, pushed in ((True, True), (True, False), (False, False)):
+        m.ahead(hit, 2, pushed=pushed)
     v = spec_decode(before, scrape(_expose(m)))
     assert (v["spec_cache_hits"], v["spec_cache_misses"]) == (2, 1) and v["spec_cache_hit_rate"] == approx(2 / 3)
+    assert v["spec_cache_pushed"] == 1
 
 
 # --- report ------------------------------------------------------------------------------------------------------

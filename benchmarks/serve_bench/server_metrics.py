@@ -131,4 +131,5 @@ def spec_decode(before: dict[str, float], after: dict[str, float]) -> dict:
         "spec_cache_hits": hits,
         "spec_cache_misses": misses,
         "spec_cache_hit_rate": _ratio(hits, hits + misses) if hits is not None and misses is not None else None,
+        "spec_cache_pushed": _counter(before, after, "spec_cache_pushed"),  # hits the router held: no draft request
     }
