@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from drafter_worker.ahead_window import AheadWindow
+from drafter_worker.proposer import DraftLimits, model_limits
 from services.calls import AheadCall, DraftCall, OpenCall, Pushed
 from services.errors import InvalidRequestError, StaleCycleError
 from services.lease import Lease
@@ -29,24 +30,6 @@ if TYPE_CHECKING:  # loaded when a request first drafts under a grammar
     from services.grammar import GrammarTokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class DraftLimits:
-    """What the hosted draft models accept; None where no hosted proposer has a model (n-gram, test fakes)."""
-
-    vocab_size: int | None = None
-    feature_width: int | None = None  # num_taps * hidden
-    positions: int | None = None  # size of the RoPE table: every drafted position must stay below it
-
-
-def model_limits(proposers: dict[str, Proposer]) -> DraftLimits:
-    """The limits of the first proposer with a draft model: a replica's drafters share one target and its taps."""
-    for proposer in proposers.values():
-        model = getattr(proposer, "model", None)
-        if model is not None:
-            return DraftLimits(model.config.vocab_size, model.feature_width, model.config.max_context)
-    return DraftLimits()
 
 
 @dataclass(slots=True)

@@ -23,15 +23,15 @@ log = logging.getLogger(__name__)
 
 
 def ahead_notice(drafter: DrafterTier, s: Session, block: DraftBlock | None, decision: Decision | None,
-                 traceparent: str = "") -> asyncio.Task | None:
+                 held: bool, traceparent: str = "") -> asyncio.Task | None:
     """The notice as a task started beside the verify call (its result: the blocks pushed), or None when the
-    request does not draft ahead this cycle. The caller reads it after the verification if it is done, and
+    request does not draft ahead this cycle. `held`: the block is one the drafter pushed, so no draft request
+    carried the delta; the notice does. The caller reads the task after the verification if it is done, and
     does not wait for it otherwise: the next call on the request's stream is answered after it."""
     if not s.spec.ahead or not block:
         return None
     accept = decision.accept[: len(block)] if decision is not None else None  # the block is its first ℓ drafts
-    taken = s.draft_call(traceparent) if s.link.taken else None
-    s.link.taken = False
+    taken = s.draft_call(traceparent) if held else None
     call = AheadCall(s.request.request_id, s.cycle, len(block), accept, taken)
     return asyncio.create_task(_send(drafter, call))
 

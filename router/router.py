@@ -200,7 +200,8 @@ class Router:
             decision = None
             if block:
                 block, decision = self._schedule(s, block, bound)
-            ahead = ahead_notice(self.drafter, s, block, decision, current_traceparent()) if s.link.ok else None
+            ahead = (ahead_notice(self.drafter, s, block, decision, held, current_traceparent()) if s.link.ok
+                     else None)
             with self.tracer.start_as_current_span("verify") as vspan:
                 sent = time.perf_counter()
                 done = await self._verify(s, block, self._handoff(s, block))
@@ -280,11 +281,9 @@ class Router:
             if not s.link.ok:
                 return None
         if s.link.ready is not None:  # pushed for the outcome the verification before showed
-            s.link.taken = True
             return s.link.ready
         with self.tracer.start_as_current_span("draft", attributes={"dspark.gamma": s.spec.gamma}) as span:
             try:
-                s.link.taken = False  # the delta goes with this call
                 block = await self.drafter.draft(s.draft_call(current_traceparent()))
             except Exception as error:
                 self._detach(s, error)

@@ -84,11 +84,10 @@ class DrafterLink:
     reattach_wait: int = 0  # cycles to wait after a loss before reopening
     ahead_sent: bool = False  # the last cycle's block went with an ahead notice to the drafter
     ready: DraftBlock | None = None  # the block the drafter pushed for the last verification's outcome
-    taken: bool = False  # this cycle's block is a pushed one: the drafter learns the delta with the ahead notice
     pushed: int = 0  # blocks pushed with the last reply (the fan-out a pushed block was chosen from)
 
     def opened(self) -> None:
-        self.ok, self.ready, self.taken = True, None, False  # the open call carried the whole context
+        self.ok, self.ready = True, None  # the open call carried the whole context
 
     def lost(self, cycle: int, max_wait: int) -> None:
         self.ok, self.detached_at, self.ready = False, cycle, None
