@@ -36,34 +36,58 @@ def test_a_device_ray_did_not_give_is_refused(setting, message):
 
 
 SCRIPT = """
-import json, os, ray
+import json, os, sys, ray
 from cluster.devices import ray_device
-ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
+ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
 
 @ray.remote(num_gpus=1, num_cpus=0.1)
 class Replica:
     def where(self):
         return ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"), ray_device("cuda")
 
-a, b, c = Replica.remote(), Replica.remote(), Replica.remote()
-got = ray.get([a.where.remote(), b.where.remote()])
+# One at a time, each alive before the next is made: with three made at once, Ray 2.60 here now and then never
+# tells the driver that one of them is alive (its worker ran the constructor), and calls to it wait forever.
+a = Replica.remote()
+got = [ray.get(a.where.remote(), timeout=120)]
+b = Replica.remote()
+got.append(ray.get(b.where.remote(), timeout=120))
+c = Replica.remote()
 ready, _ = ray.wait([c.where.remote()], timeout=3)
-print(json.dumps({"two": got, "third_ran": bool(ready)}))
+print(json.dumps({"two": got, "third_ran": bool(ready)}), flush=True)
+for r in (c, b, a):  # the pending one first: nothing left waiting for a GPU while the instance stops
+    ray.kill(r)
 ray.shutdown()
 """
 
 
+def _ray_logs(temp: Path) -> str:
+    """The tail of each Ray log of the instance, for a failure's message."""
+    return "\n".join(f"== {f.name}\n{f.read_text(errors='replace')[-1500:]}"
+                     for f in sorted(temp.glob("ray/session_*/logs/*")) if f.is_file() and f.suffix in (".out", ".err")
+                     and f.stat().st_size)
+
+
 def test_two_one_gpu_replicas_get_different_gpus_and_a_third_waits():
+    import os
+    import signal
     import tempfile
 
     from cluster.ray_local import LOOPBACK_ENV
 
     with tempfile.TemporaryDirectory(prefix="rg", dir="/tmp") as short:  # Ray's socket paths must stay short
-        out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=180,
-                             env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "RAY_TMPDIR": short,
-                                  "HOME": short, LOOPBACK_ENV: "0"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+        proc = subprocess.Popen([sys.executable, "-c", SCRIPT], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "RAY_TMPDIR": short,
+                                     "HOME": short, LOOPBACK_ENV: "0"})
+        try:
+            stdout, stderr = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the driver and the instance it started
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"the Ray script did not end in 180 s; printed {stdout!r}\n{stderr[-2000:]}\n"
+                        f"{_ray_logs(Path(short))}")
+        assert proc.returncode == 0, stderr[-2000:] + _ray_logs(Path(short))
+    report = json.loads(stdout.strip().splitlines()[-1])
     (ids_a, vis_a, dev_a), (ids_b, vis_b, dev_b) = report["two"]
     assert len(ids_a) == len(ids_b) == 1 and ids_a != ids_b  # different GPUs by Ray's accounting
     assert vis_a == str(ids_a[0]) and vis_b == str(ids_b[0])  # each process sees only its own
