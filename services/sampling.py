@@ -32,9 +32,35 @@ def logits_to_probs(
     typical_p: torch.Tensor | None = None,  # [M] fp32; 1 = off
 ) -> torch.Tensor:
     """[M, V] fp32 probabilities after temperature, then min-p, then top-k, then top-p (vLLM's order), then
-    locally typical sampling (Hugging Face's `typical_p`, after its top-k and top-p too)."""
-    logits = logits.float()
+    locally typical sampling (Hugging Face's `typical_p`, after its top-k and top-p too). Each row is decided by
+    its own parameters and logits alone, so it gets the same bits whatever rows share its call."""
+    fast = _top_k_alone(temperature, top_k, top_p, min_p, typical_p)  # [M]
+    if not bool(fast.any()):
+        return _masked_probs(logits, temperature, top_k, top_p, min_p, typical_p)
+    every = bool(fast.all())
+    picked = None if every else fast.nonzero().squeeze(-1)
+    probs, tied = _top_k_probs(*(_rows(t, picked) for t in (logits, temperature, top_k)))
+    if every and not bool(tied.any()):
+        return probs
+    if bool(tied.any()):
+        fast = fast.clone()
+        fast[torch.arange(fast.shape[0], device=fast.device)[fast][tied]] = False
+        probs = probs[~tied]
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    out[fast] = probs
+    slow = (~fast).nonzero().squeeze(-1)
+    out[slow] = _masked_probs(*(_rows(t, slow) for t in (logits, temperature, top_k, top_p, min_p, typical_p)))
+    return out
+
+
+def _rows(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or rows is None else t[rows]
+
+
+def _masked_probs(logits, temperature, top_k, top_p, min_p, typical_p) -> torch.Tensor:
+    """`logits_to_probs` by masking the whole vocabulary (every filter, greedy rows, and tied top-k rows)."""
     greedy = temperature <= 0
+    logits = logits.float()
     scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
     if min_p is not None and bool((min_p > 0).any()):
         # p < min_p · p_max  ⇔  logit < max logit + log(min_p), after temperature
@@ -71,6 +97,38 @@ def _filter_typical(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
 
 
 _TOPK_AT_MOST = 4096  # top-k alone, up to this k: a partial selection, not a sort of the whole vocabulary
+
+
+def _top_k_alone(temperature, top_k, top_p, min_p, typical_p) -> torch.Tensor:
+    """[M] bool: rows that sample with top-k (at most _TOPK_AT_MOST) and no other filter."""
+    alone = (temperature > 0) & (top_k > 0) & (top_k <= _TOPK_AT_MOST) & (top_p >= 1)
+    if min_p is not None:
+        alone &= min_p <= 0
+    return alone if typical_p is None else alone & (typical_p >= 1)
+
+
+def _top_k_probs(logits: torch.Tensor, temperature: torch.Tensor,
+                 top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """→ [M, V] top-k probabilities from each row's k largest logits alone, and [M] the rows whose k-th largest is
+    tied with the next (every tied token is kept: `_masked_probs` decides those rows).
+
+    The masked path writes, exponentiates and normalises every logit of the vocabulary; on Gemma's 262,144 ids that
+    was 90 % of a sampled step's sampling (0.6 s of masks and softmax for 512 rows against 0.04 s for the top-k).
+    Rows are taken by their k, so each softmax runs over exactly its row's k values: a row's bits do not depend on
+    the rows beside it (they may differ from the masked path's in the last place).
+    """
+    vocab = logits.shape[-1]
+    k_of = top_k.clamp(max=vocab)  # [M]
+    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    tied = torch.zeros(k_of.shape, dtype=torch.bool, device=logits.device)
+    for k in k_of.unique().tolist():
+        rows = (k_of == k).nonzero().squeeze(-1)  # [n]
+        values, ids = (logits if len(rows) == len(k_of) else logits[rows]).topk(min(k + 1, vocab), dim=-1)
+        values = values.float() / temperature[rows].unsqueeze(-1)  # [n, k(+1)]; T > 0 keeps the order
+        if k < vocab:
+            tied[rows] = values[:, k] == values[:, k - 1]
+        probs[rows.unsqueeze(-1), ids[:, :k]] = values[:, :k].softmax(-1)
+    return probs, tied
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -66,9 +66,10 @@ def test_a_rows_filter_does_not_depend_on_the_other_rows():
 
 
 @pytest.mark.parametrize("vocab", [50, 4000, 262_144])
-def test_top_k_alone_selects_what_the_sort_does(monkeypatch, vocab):
-    """Top-k without top-p takes the k-th largest logit by a partial selection; the probabilities are the bits the
-    full sort gives, with ties at the k-th value kept and logits far below the top (probability 0 either way)."""
+def test_top_k_alone_keeps_what_the_sort_keeps(monkeypatch, vocab):
+    """Top-k without top-p is computed from each row's k largest logits: the same tokens kept as by the full sort
+    (ties at the k-th value kept, logits far below the top at probability 0 either way), the same probabilities to
+    the last places, and each row's bits those it gets alone, beside rows of other k or of other filters."""
     import services.sampling as sampling
 
     g = torch.Generator().manual_seed(vocab)
@@ -78,9 +79,25 @@ def test_top_k_alone_selects_what_the_sort_does(monkeypatch, vocab):
     logits[7, 3] = 0.0
     temperature, top_k = torch.rand(8, generator=g) + 0.2, torch.tensor([1, 2, 7, 8, 40, 64, 3, 5])
     fast = logits_to_probs(logits, temperature, top_k, torch.ones(8))
+    for r in range(8):
+        assert torch.equal(fast[r], logits_to_probs(logits[r : r + 1], temperature[r : r + 1], top_k[r : r + 1],
+                                                    torch.ones(1))[0])
+    mixed_p = torch.tensor([1.0, 0.9, 1, 1, 0.5, 1, 1, 1])  # rows 1 and 4 through the sort: the others unchanged
+    mixed = logits_to_probs(logits, temperature, top_k, mixed_p)
+    assert torch.equal(mixed[[0, 2, 3, 5, 6, 7]], fast[[0, 2, 3, 5, 6, 7]])
     monkeypatch.setattr(sampling, "_TOPK_AT_MOST", 0)  # every row through the sort
-    assert torch.equal(fast, logits_to_probs(logits, temperature, top_k, torch.ones(8)))
+    sorted_ = logits_to_probs(logits, temperature, top_k, torch.ones(8))
+    assert torch.equal(fast > 0, sorted_ > 0)
+    torch.testing.assert_close(fast, sorted_, rtol=1e-6, atol=1e-7)
     assert ((fast > 0).sum(-1) >= top_k.clamp(max=1)).all()
+
+
+def test_top_k_ties_at_the_kth_value_keep_every_tied_token():
+    logits = torch.tensor([[4.0, 1.0, 3.0, 3.0, 0.0], [4.0, 1.0, 3.0, 2.0, 0.0]])
+    probs = logits_to_probs(logits, torch.ones(2), torch.tensor([2, 2]), torch.ones(2))
+    assert (probs[0] > 0).tolist() == [True, False, True, True, False]  # 3.0 twice at the 2nd place: both kept
+    assert (probs[1] > 0).tolist() == [True, False, True, False, False]
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2))
 
 
 def test_sparse_round_trip():
