@@ -135,6 +135,8 @@ SAMPLED = {
     "logit_bias": {"logit_bias": ((8, 2.0), (9, -2.0))},
     "min_tokens": {"min_tokens": 3, "stop_token_ids": (8, 4)},
     "min_p": {"min_p": 0.15},
+    "top_p": {"top_p": 0.8},  # the nucleus among the largest logits (services/sampling.py: _nucleus_probs)
+    "top_k_top_p": {"top_k": 6, "top_p": 0.85, "min_p": 0.02},  # min-p and top-p among the k largest
 }
 
 

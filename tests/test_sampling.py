@@ -92,6 +92,54 @@ def test_top_k_alone_keeps_what_the_sort_keeps(monkeypatch, vocab):
     assert ((fast > 0).sum(-1) >= top_k.clamp(max=1)).all()
 
 
+@pytest.mark.parametrize("vocab", [300, 262_144])
+def test_top_p_and_min_p_after_top_k_keep_what_the_sort_keeps(monkeypatch, vocab):
+    """With top-k on, min-p and top-p are decided among the k largest logits: the tokens the full sort keeps, the
+    same probabilities to the last places, each row's bits its own beside rows of other parameters."""
+    import services.sampling as sampling
+
+    g = torch.Generator().manual_seed(vocab + 1)
+    logits = torch.randn(8, vocab, generator=g) * torch.tensor([1.0, 2, 3, 5, 1, 2, 8, 0.5]).unsqueeze(-1)
+    temperature = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.9, 1.0, 1.1, 1.0])
+    top_k = torch.tensor([40, 40, 8, 64, 20, 3, 40, 100])
+    top_p = torch.tensor([0.95, 0.5, 1.0, 0.9, 0.3, 0.99, 0.8, 0.7])
+    min_p = torch.tensor([0.0, 0.05, 0.2, 0.0, 0.1, 0.0, 0.01, 0.02])
+    fast = logits_to_probs(logits, temperature, top_k, top_p, min_p)
+    for r in range(8):
+        alone = logits_to_probs(*(t[r : r + 1] for t in (logits, temperature, top_k, top_p, min_p)))
+        assert torch.equal(fast[r], alone[0])
+    monkeypatch.setattr(sampling, "_TOPK_AT_MOST", 0)
+    sorted_ = logits_to_probs(logits, temperature, top_k, top_p, min_p)
+    assert torch.equal(fast > 0, sorted_ > 0)
+    torch.testing.assert_close(fast, sorted_, rtol=1e-6, atol=1e-7)
+    kept = (fast > 0).sum(-1)
+    assert ((kept >= 1) & (kept <= top_k)).all() and (kept < top_k).any()  # top-p and min-p cut some rows
+
+
+@pytest.mark.parametrize("vocab", [300, 262_144])
+def test_top_p_alone_keeps_what_the_sort_keeps(monkeypatch, vocab):
+    """Top-p without top-k looks for the nucleus among a row's largest logits and sorts the row only when the
+    nucleus is wider (row 3, nearly flat): the same tokens kept as by the sort, the same probabilities to the last
+    places, each row's bits its own."""
+    import services.sampling as sampling
+
+    g = torch.Generator().manual_seed(vocab + 2)
+    logits = torch.randn(6, vocab, generator=g) * torch.tensor([1.0, 3, 6, 0.05, 2, 4]).unsqueeze(-1)
+    temperature = torch.tensor([1.0, 0.8, 1.2, 1.0, 0.5, 1.0])
+    top_k, top_p = torch.zeros(6, dtype=torch.long), torch.tensor([0.9, 0.5, 0.95, 0.9, 0.99, 0.3])
+    min_p = torch.tensor([0.0, 0.0, 0.05, 0.0, 0.1, 0.0])
+    fast = logits_to_probs(logits, temperature, top_k, top_p, min_p)
+    for r in range(6):
+        alone = logits_to_probs(*(t[r : r + 1] for t in (logits, temperature, top_k, top_p, min_p)))
+        assert torch.equal(fast[r], alone[0])
+    monkeypatch.setattr(sampling, "_nucleus_alone", lambda temperature, *_: torch.zeros_like(temperature).bool())
+    sorted_ = logits_to_probs(logits, temperature, top_k, top_p, min_p)
+    assert torch.equal(fast > 0, sorted_ > 0)
+    torch.testing.assert_close(fast, sorted_, rtol=1e-6, atol=1e-7)
+    kept = (fast > 0).sum(-1)
+    assert (kept < vocab).all() and kept[3] > min(vocab // 2, sampling._NUCLEUS_K)
+
+
 def test_top_k_ties_at_the_kth_value_keep_every_tied_token():
     logits = torch.tensor([[4.0, 1.0, 3.0, 3.0, 0.0], [4.0, 1.0, 3.0, 2.0, 0.0]])
     probs = logits_to_probs(logits, torch.ones(2), torch.tensor([2, 2]), torch.ones(2))
