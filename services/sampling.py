@@ -129,8 +129,8 @@ def _top_k_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
         rows = (k_of == k).nonzero().squeeze(-1)  # [n]
         values, ids = (logits if len(rows) == len(k_of) else logits[rows]).topk(min(k + 1, vocab), dim=-1)
         values = values.float() / temperature[rows].unsqueeze(-1)  # [n, k(+1)] largest first (T > 0 keeps order)
-        if k < vocab:
-            tied[rows] = values[:, k] == values[:, k - 1]
+        if k < vocab:  # a masked (−inf) k-th largest is no tie: every token below it has probability 0 anyway
+            tied[rows] = (values[:, k] == values[:, k - 1]) & values[:, k - 1].isfinite()
         kept = values[:, :k]  # [n, k]
         if min_p is not None and bool((min_p[rows] > 0).any()):
             m = min_p[rows].unsqueeze(-1)  # [n, 1]; the row's largest is kept[:, 0]

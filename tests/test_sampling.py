@@ -141,11 +141,13 @@ def test_top_p_alone_keeps_what_the_sort_keeps(monkeypatch, vocab):
 
 
 def test_top_k_ties_at_the_kth_value_keep_every_tied_token():
-    logits = torch.tensor([[4.0, 1.0, 3.0, 3.0, 0.0], [4.0, 1.0, 3.0, 2.0, 0.0]])
-    probs = logits_to_probs(logits, torch.ones(2), torch.tensor([2, 2]), torch.ones(2))
+    inf = float("-inf")
+    logits = torch.tensor([[4.0, 1.0, 3.0, 3.0, 0.0], [4.0, 1.0, 3.0, 2.0, 0.0], [inf, 1.0, inf, inf, inf]])
+    probs = logits_to_probs(logits, torch.ones(3), torch.tensor([2, 2, 3]), torch.ones(3))
     assert (probs[0] > 0).tolist() == [True, False, True, True, False]  # 3.0 twice at the 2nd place: both kept
     assert (probs[1] > 0).tolist() == [True, False, True, False, False]
-    torch.testing.assert_close(probs.sum(-1), torch.ones(2))
+    assert probs[2].tolist() == [0.0, 1.0, 0.0, 0.0, 0.0]  # fewer allowed tokens than k (a grammar's mask)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3))
 
 
 def test_sparse_round_trip():
