@@ -34,8 +34,7 @@ def logits_to_probs(
     """[M, V] fp32 probabilities after temperature, then min-p, then top-k, then top-p (vLLM's order), then
     locally typical sampling (Hugging Face's `typical_p`, after its top-k and top-p too). Each row is decided by
     its own parameters and logits alone, so it gets the same bits whatever rows share its call."""
-    every_row = torch.ones(temperature.shape, dtype=torch.bool, device=logits.device)
-    out, left = None, every_row.clone()
+    out, left = None, torch.ones(temperature.shape, dtype=torch.bool, device=logits.device)
     for family, chosen in ((_top_k_probs, _within_top_k(temperature, top_k, typical_p)),
                            (_nucleus_probs, _nucleus_alone(temperature, top_k, top_p, typical_p))):
         if not bool(chosen.any()):
@@ -46,7 +45,7 @@ def logits_to_probs(
         if every and not bool(unresolved.any()):
             return probs
         out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device) if out is None else out
-        done = every_row.nonzero().squeeze(-1)[chosen][~unresolved]
+        done = torch.arange(len(chosen), device=logits.device)[chosen][~unresolved]
         out[done] = probs[~unresolved]
         left[done] = False
     if out is None:
@@ -67,9 +66,7 @@ def _masked_probs(logits, temperature, top_k, top_p, min_p, typical_p) -> torch.
     logits = logits.float()
     scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
     if min_p is not None and bool((min_p > 0).any()):
-        # p < min_p · p_max  ⇔  logit < max logit + log(min_p), after temperature
-        floor = scaled.max(-1, keepdim=True).values + min_p.clamp_min(1e-30).log().unsqueeze(-1)  # [M, 1]
-        scaled = torch.where((min_p > 0).unsqueeze(-1) & (scaled < floor), float("-inf"), scaled)
+        scaled = _min_p(scaled, scaled.max(-1, keepdim=True).values, min_p)
     filtered = ((top_k > 0) | (top_p < 1)) & ~greedy  # [M] rows whose sort changes something
     if bool(filtered.all()):
         scaled = _filter_top_k_top_p(scaled, top_k, top_p)
@@ -133,13 +130,9 @@ def _top_k_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
             tied[rows] = (values[:, k] == values[:, k - 1]) & values[:, k - 1].isfinite()
         kept = values[:, :k]  # [n, k]
         if min_p is not None and bool((min_p[rows] > 0).any()):
-            m = min_p[rows].unsqueeze(-1)  # [n, 1]; the row's largest is kept[:, 0]
-            kept = kept.masked_fill((m > 0) & (kept < kept[:, :1] + m.clamp_min(1e-30).log()), float("-inf"))
+            kept = _min_p(kept, kept[:, :1], min_p[rows])  # the row's largest is its first
         if bool((top_p[rows] < 1).any()):
-            at_and_below = kept.softmax(-1).flip(-1).cumsum(-1).flip(-1)  # [n, k] mass up to each, ascending
-            drop = at_and_below <= (1 - top_p[rows]).unsqueeze(-1)
-            drop[:, 0] = False  # the most likely token stays
-            kept = kept.masked_fill(drop, float("-inf"))
+            kept = _top_p(kept.flip(-1), top_p[rows]).flip(-1)
         probs[rows.unsqueeze(-1), ids[:, :k]] = kept.softmax(-1)
     return probs, tied
 
@@ -165,8 +158,7 @@ def _nucleus_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     vocab = logits.shape[-1]
     scaled = logits.float() / temperature.unsqueeze(-1)  # [M, V]
     if min_p is not None and bool((min_p > 0).any()):
-        floor = scaled.max(-1, keepdim=True).values + min_p.clamp_min(1e-30).log().unsqueeze(-1)  # [M, 1]
-        scaled = scaled.masked_fill((min_p > 0).unsqueeze(-1) & (scaled < floor), float("-inf"))
+        scaled = _min_p(scaled, scaled.max(-1, keepdim=True).values, min_p)
     values, ids = scaled.topk(min(_NUCLEUS_K, vocab), dim=-1)  # [M, K] largest first
     mass = (values - scaled.logsumexp(-1, keepdim=True)).exp()  # [M, K] shares of the whole row
     before = mass.cumsum(-1) - mass  # [M, K]
@@ -190,11 +182,23 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [M]
     kth = sorted_logits.gather(-1, (vocab - k).unsqueeze(-1))  # [M, 1]
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    cumulative = sorted_logits.softmax(-1).cumsum(-1)  # [M, V]
-    drop = cumulative <= (1 - top_p).unsqueeze(-1)
-    drop[:, -1] = False  # always keep the most likely token
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    sorted_logits = _top_p(sorted_logits, top_p)
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _min_p(scaled: torch.Tensor, largest: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """scaled [M, N] logits (after temperature), largest [M, 1] the row's largest → those whose probability is
+    below min_p · the largest's at −inf: p < min_p · p_max ⇔ logit < max logit + log(min_p)."""
+    floor = largest + min_p.clamp_min(1e-30).log().unsqueeze(-1)  # [M, 1]
+    return scaled.masked_fill((min_p > 0).unsqueeze(-1) & (scaled < floor), float("-inf"))
+
+
+def _top_p(ascending: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """ascending [M, N] logits, smallest first → the low-mass prefix whose cumulative mass is at most 1 − top_p
+    at −inf (the most likely token always kept)."""
+    drop = ascending.softmax(-1).cumsum(-1) <= (1 - top_p).unsqueeze(-1)  # [M, N]
+    drop[:, -1] = False
+    return ascending.masked_fill(drop, float("-inf"))
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
