@@ -36,7 +36,7 @@ from pathlib import Path
 from benchmarks.harness import cpu_model
 from benchmarks.net_proxy import NetProxy
 from benchmarks.tier_overhead import PROMPTS
-from cluster.launcher import start_tier
+from cluster.launcher import start_tier, stop_tiers
 from drafter_worker.settings import DrafterSettings
 from router.router import Router, RouterConfig
 from router.scheduling.policy import Policy
@@ -182,8 +182,7 @@ def main() -> None:
                 if proxy is not None:
                     proxy.close()
     finally:
-        verifier.stop()
-        drafter.stop()
+        stop_tiers([verifier, drafter])
     report = {"cpu": cpu_model(), "target": args.target, "dtype": dtype, "pinned": args.pin,
               "temperature": args.temperature, "gamma": args.gamma,
               "budget": args.budget, "max_tokens": args.max_tokens, "rows": rows}

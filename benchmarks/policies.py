@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from cluster.launcher import RedisProcess, start_tiers
+from cluster.launcher import RedisProcess, start_tiers, stop_tiers
 from drafter_worker.settings import DrafterSettings
 from router.router import Router, RouterConfig
 from router.scheduling.board_view import BoardView
@@ -159,8 +159,7 @@ def main() -> None:
     try:
         rows = asyncio.run(bench(args, tiers[0].address, tiers[1].address, url))
     finally:
-        for tier in tiers:
-            tier.stop()
+        stop_tiers(tiers)
         if redis is not None:
             redis.stop()
     summary = report(rows)

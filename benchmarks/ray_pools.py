@@ -31,7 +31,7 @@ import ray  # noqa: E402
 
 from benchmarks.policies import load_prompts  # noqa: E402
 from cluster.controller import RayDiscovery, create  # noqa: E402
-from cluster.launcher import start_tiers  # noqa: E402
+from cluster.launcher import start_tiers, stop_tiers  # noqa: E402
 from router.main import build_router  # noqa: E402
 from router.session import RouterRequest  # noqa: E402
 from router.tiers.pooled import StaticDiscovery  # noqa: E402
@@ -127,8 +127,7 @@ def main() -> None:
     static = StaticDiscovery([procs[0].address], [procs[1].address])
     for c in conc:
         out["serving"][f"processes c={c}"] = run(s.router, static, c)
-    for p in procs:
-        p.stop()
+    stop_tiers(procs)
 
     ray.get(controller.scale.remote("verifier", 2))
     out["add_verifier_s"] = asyncio.run(until_serving(controller, "verifier", 2))

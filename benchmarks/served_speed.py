@@ -24,7 +24,7 @@ import httpx
 import torch
 
 from benchmarks.harness import cpu_model
-from cluster.launcher import start_tiers
+from cluster.launcher import start_tiers, stop_tiers
 from drafter_worker.main import drafter_service
 from drafter_worker.settings import DrafterSettings
 from in_process.generation import GenerationRequest, InProcessRouter
@@ -125,8 +125,7 @@ def main() -> None:
                 per.setdefault(f"{name}_served", []).append(statistics.median(speeds))
                 per.setdefault(f"{name}_served_ttft_ms", []).append(1000 * statistics.median(ttfts))
     finally:
-        for tier in tiers:
-            tier.stop()
+        stop_tiers(tiers)
     med = {k: round(statistics.median(v), 2) for k, v in per.items()}
     ratios = {f"{name}_served_over_in_process": round(med[f"{name}_served"] / med[f"{name}_in_process"], 3)
               for name in arms}

@@ -30,7 +30,7 @@ import time
 import torch
 
 from benchmarks.harness import cpu_model
-from cluster.launcher import start_tier
+from cluster.launcher import start_tier, stop_tiers
 from drafter_worker.drafter import Drafter
 from drafter_worker.main import drafter_service
 from drafter_worker.service import LocalDrafter
@@ -232,8 +232,7 @@ def main() -> None:
                          "breakdown_ms_per_cycle": split,
                          "rounds": {k: [round(x, 2) for x in v] for k, v in per.items()}})
     finally:
-        for t in tiers:
-            t.stop()
+        stop_tiers(tiers)
     print(f"{'c':>3} {'in-process':>11} {'async-local':>12} {'tiered':>8} {'verify step':>12} {'overhead':>9} "
           f"{'%step':>6}  (ms per cycle)")
     for r in rows:

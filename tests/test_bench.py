@@ -12,7 +12,7 @@ from benchmarks.serve_bench.plots import plots
 from benchmarks.serve_bench.report import markdown
 from benchmarks.serve_bench.runner import BenchConfig, greedy_gate, permutation_chi2, run
 from benchmarks.serve_bench.workloads import load_workload
-from cluster.launcher import start_tiers
+from cluster.launcher import start_tiers, stop_tiers
 from router.settings import RouterSettings
 from tests.tiers import api_server, drafter_settings, verifier_settings
 
@@ -30,8 +30,7 @@ def base_url():
         with api_server(settings) as (url, _):
             yield url
     finally:
-        for tier in tiers:
-            tier.stop()
+        stop_tiers(tiers)
 
 
 def test_a_bench_run_measures_every_arm_and_passes_its_gates(base_url, tmp_path):

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from cluster.launcher import start_tiers
+from cluster.launcher import start_tiers, stop_tiers
 from router.router import Router, RouterConfig
 from router.scheduling.board_view import BoardView
 from router.scheduling.planner import VerifyPlanner
@@ -39,8 +39,7 @@ def stack(redis_server):
     tiers = start_tiers([("verifier", verifier_settings(redis_url=redis_server.url, profile=True)),
                          ("drafter", drafter_settings(redis_url=redis_server.url))])
     yield tiers
-    for tier in tiers:
-        tier.stop()
+    stop_tiers(tiers)
 
 
 def _counts(router: Router) -> dict[str, float]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from cluster.launcher import TierProcess, start_tier, start_tiers
+from cluster.launcher import TierProcess, start_tier, start_tiers, stop_tiers
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import channel
@@ -62,8 +62,7 @@ def survivors():
     """The replicas no test harms: every request on a victim must be able to move here."""
     tiers = start_tiers([("verifier", verifier_settings(lease_s=LEASE_S)), ("drafter", drafter_settings())])
     yield tiers
-    for tier in tiers:
-        tier.stop()
+    stop_tiers(tiers)
 
 
 def _victims() -> tuple[TierProcess, TierProcess]:
@@ -177,8 +176,7 @@ def test_killing_a_verifier_process_mid_stream_loses_no_request(survivors, expec
             assert router.metrics.verifier_reprefills.labels(TARGET)._value.get() >= 2
             _assert_nothing_leaks(url, [survivors[0].address], [drafter.address, survivors[1].address])
     finally:
-        verifier.stop()
-        drafter.stop()
+        stop_tiers([verifier, drafter])
 
 
 def test_killing_a_drafter_process_mid_stream_loses_no_request(survivors, expected):
@@ -191,8 +189,7 @@ def test_killing_a_drafter_process_mid_stream_loses_no_request(survivors, expect
             assert router.metrics.drafter_detached.labels(TARGET)._value.get() >= 2
             _assert_nothing_leaks(url, [verifier.address, survivors[0].address], [survivors[1].address])
     finally:
-        verifier.stop()
-        drafter.stop()
+        stop_tiers([verifier, drafter])
 
 
 def test_cut_grpc_connections_lose_no_request_and_free_the_far_side(survivors, expected):
@@ -211,8 +208,7 @@ def test_cut_grpc_connections_lose_no_request_and_free_the_far_side(survivors, e
     finally:
         for proxy in proxies:
             proxy.close()
-        verifier.stop()
-        drafter.stop()
+        stop_tiers([verifier, drafter])
 
 
 def test_a_verifier_stalled_past_its_deadline_loses_no_request_and_frees_its_slots(survivors, expected):
@@ -235,8 +231,7 @@ def test_a_verifier_stalled_past_its_deadline_loses_no_request_and_frees_its_slo
             _assert_nothing_leaks(url, [verifier.address, survivors[0].address],
                                   [drafter.address, survivors[1].address], within_s=LEASE_S + 10)
     finally:
-        verifier.stop()
-        drafter.stop()
+        stop_tiers([verifier, drafter])
 
 
 def test_losing_the_only_verifier_ends_every_request_with_a_clear_error(survivors, expected):

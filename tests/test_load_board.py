@@ -54,7 +54,7 @@ def test_redis_outage_degrades_to_unavailable_then_recovers(redis_server):
 
 
 def test_tier_processes_publish_their_load(redis_server):
-    from cluster.launcher import start_tiers
+    from cluster.launcher import start_tiers, stop_tiers
     from tests.tiers import drafter_settings, verifier_settings
 
     tiers = start_tiers([("verifier", verifier_settings(redis_url=redis_server.url)),
@@ -69,8 +69,7 @@ def test_tier_processes_publish_their_load(redis_server):
                 seen.append({x.role: x for x in loads})
             time.sleep(0.15)
     finally:
-        for tier in tiers:
-            tier.stop()
+        stop_tiers(tiers)
     assert len(seen) == 3
     verifier = seen[-1]["verifier"]
     assert verifier.engine_id == tiers[0].address and verifier.kv_total == 8 * 512 and verifier.running == 0

@@ -17,7 +17,7 @@ import grpc
 import httpx
 import pytest
 
-from cluster.launcher import start_tiers
+from cluster.launcher import start_tiers, stop_tiers
 from protos.dspark.v1 import dspark_pb2 as pb
 from protos.dspark.v1 import dspark_pb2_grpc as rpc
 from protos.serving import channel
@@ -38,8 +38,7 @@ def tiers() -> dict[str, str]:
                              ("drafter", drafter_settings()),
                              ("verifier", verifier_settings(num_slots=1, max_waiting=0))])
     yield dict(zip(("verifier", "drafter", "no_queue"), (p.address for p in processes), strict=True))
-    for p in processes:
-        p.stop()
+    stop_tiers(processes)
 
 
 def _is_429(r: httpx.Response) -> bool:

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cli.main import build_parser
 from cli.serve import serve_settings
-from cluster.launcher import RedisProcess, start_tier, start_tiers
+from cluster.launcher import RedisProcess, start_tier, start_tiers, stop_tiers
 from cluster.settings import ServeSettings
 from drafter_worker.settings import DrafterSettings
 from protos.serving import channel
@@ -75,8 +75,7 @@ def tls_tiers(request, pki):
     tls = TlsSettings(cert=pki["server"][0], key=pki["server"][1], ca=pki["ca"], client_auth=request.param)
     tiers = start_tiers([("verifier", verifier_settings(tls=tls)), ("drafter", drafter_settings(tls=tls))])
     yield tiers, request.param
-    for tier in tiers:
-        tier.stop()
+    stop_tiers(tiers)
 
 
 async def _check(address: str, tls) -> int | grpc.StatusCode:

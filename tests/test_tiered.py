@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks.net_proxy import NetProxy
-from cluster.launcher import start_tier, start_tiers
+from cluster.launcher import start_tier, start_tiers, stop_tiers
 from drafter_worker.main import drafter_service
 from drafter_worker.service import LocalDrafter
 from protos import codec
@@ -45,8 +45,7 @@ def tiers():
     # profiled: policy dspark plans with the verifier's SPS(B) table (measured once per host: verifier_worker/profile)
     verifier, drafter = start_tiers([("verifier", verifier_settings(profile=True)), ("drafter", drafter_settings())])
     yield verifier, drafter
-    verifier.stop()
-    drafter.stop()
+    stop_tiers([verifier, drafter])
 
 
 def _requests(tokenizer, n: int) -> list[RouterRequest]:

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import pytest
 import uvicorn
 
-from cluster.launcher import RedisProcess, start_tiers
+from cluster.launcher import RedisProcess, start_tiers, stop_tiers
 from drafter_worker.settings import DrafterSettings
 from in_process.generation import GenerationRequest, InProcessRouter
 from router.api.http import ApiConfig, build_app
@@ -56,8 +56,7 @@ def tier_pair(**verifier_kw):
     try:
         yield verifier.address, drafter.address
     finally:
-        verifier.stop()
-        drafter.stop()
+        stop_tiers([verifier, drafter])
 
 
 @contextmanager
