@@ -194,7 +194,7 @@ def test_a_content_part_that_is_not_text_is_refused(api):
 def test_keepalive_comments_are_off_by_default_and_come_when_configured(tiers):
     """SGLang's bench_serving, vLLM's older benchmark_serving and llmperf parse `: ping` as JSON."""
     assert RouterSettings().sse_keepalive_s == 0
-    body = {"model": TARGET, "prompt": "import os\n", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    body = {"model": TARGET, "prompt": "import os\n", "max_tokens": 48, "ignore_eos": True, "stream": True}
     seen = {}
     for interval in (0.0, 0.01):
         settings = RouterSettings(verifier=tiers[0], drafter=tiers[1], max_model_len=512, sse_keepalive_s=interval)
