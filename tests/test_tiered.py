@@ -321,6 +321,9 @@ def test_sigterm_drains_and_exits_cleanly():
     tier = start_tier("drafter", drafter_settings(drafters=["dspark-target-mtp"]))
     tier.stop()  # SIGTERM: health goes NOT_SERVING, in-flight calls get the grace period, then exit
     assert tier.process.returncode == 0
+    pair = start_tiers([("drafter", drafter_settings(drafters=["dspark-target-mtp"]))] * 2)
+    stop_tiers(pair)  # one SIGTERM each, sent to both before either is waited for
+    assert [t.process.returncode for t in pair] == [0, 0]  # not killed: each drained and exited on its own
 
 
 class _BlinkingDrafter(LocalDrafter):
