@@ -28,7 +28,8 @@ serve: $(BIN)/dspark
 
 test: data-deps test-deps $(BIN)/dspark
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not alone"  # both cores: two workers, a file each at a time
+	$(BIN)/python -m pytest -q -m alone  # then Ray clusters and faults timed across hosts, by themselves
 
 lint: $(BIN)/dspark
 	$(BIN)/ruff check .

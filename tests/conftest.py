@@ -28,6 +28,20 @@ os.environ.setdefault(AUTH_ENV, "token")
 # written the token by then). One token per test session, inherited by every Ray process the tests start.
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
+# `make test` runs the suite on two workers (pytest-xdist), then the tests marked `alone` by themselves: those that
+# start a Ray cluster (a second local `ray.init` on one machine joins the first one's cluster), time faults across
+# hosts, or load the machine on purpose (the soak). On two cores each worker keeps to one torch thread, or the two
+# workers' thread pools would contend for both.
+ALONE = {"test_gpu_placement.py", "test_multihost.py", "test_ray_pools.py", "test_serve_app.py", "test_soak.py"}
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name in ALONE:
+            item.add_marker(pytest.mark.alone)
+
 
 def pytest_sessionstart(session):
     # The CPU kernels are built (or found in torch's cache) before any test starts a tier process, so no
