@@ -13,14 +13,17 @@ import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from protos.serving import GrpcServer, wait_for_signal
 from services import event_loop
 from services.errors import DsparkError
-from services.load_board import BoardPublisher, RedisBoard, connect_board
 from services.tracing import setup_tracing
+
+if TYPE_CHECKING:
+    from services.load_board import RedisBoard
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,8 @@ def open_board(url: str | None) -> RedisBoard | None:
     """The load board at `url`, checked (refused credentials stop the tier here), or None without one."""
     if not url:
         return None
+    from services.load_board import connect_board  # the Redis client loads only where a board is configured
+
     board = connect_board(url)
     log.info("load board: %s", board.url)
     return board
@@ -87,6 +92,8 @@ def start_publisher(board: RedisBoard | None, role: str, server: GrpcServer, sna
     """Publish this engine's load (keyed by its address) to the board, when one is configured."""
     if board is None:
         return None
+    from services.load_board import BoardPublisher
+
     if sps:
         board.publish_profile(server.address, sps)
     return asyncio.create_task(BoardPublisher(board, server.address, role, snapshot).run())

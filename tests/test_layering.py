@@ -127,12 +127,14 @@ def test_a_drafter_replica_loads_only_the_drafter_tier():
     assert tops == {"cluster", "drafter_worker", "protos", "services", "verifier_worker"}
     assert [m for m in loaded if m.startswith("verifier_worker.")] == ["verifier_worker.settings"]
     assert not {"services.model", "services.gemma", "services.calibration_metrics"} & set(loaded)
-    # released formats' readers and constrained drafting load when a checkpoint or request needs them
+    # released formats' readers, constrained drafting and the load board load when a checkpoint, request or
+    # board URL needs them
     assert [m for m in loaded if m.startswith("drafter_worker.formats.") or m in LOADED_ON_USE] == []
-    assert len(loaded) <= 64, len(loaded)  # 67 while it loaded the whole target and the fits
+    assert len(loaded) <= 62, len(loaded)  # 67 while it loaded the whole target and the fits, 64 the board
 
 
-LOADED_ON_USE = ("drafter_worker.constrained", "services.grammar", "services.tokenizer")
+LOADED_ON_USE = ("drafter_worker.constrained", "services.grammar", "services.tokenizer",
+                 "services.load_board")  # with the Redis client, only where a board is configured
 
 
 COMPILER_FREE = """
