@@ -26,9 +26,11 @@ install: $(BIN)/dspark
 serve: $(BIN)/dspark
 	$(BIN)/dspark serve --model $(MODEL)
 
+# The suite on one pytest-xdist worker more than cores (a worker waiting on a tier process leaves its core to the
+# others), a test file each at a time; then the `alone` tests by themselves (tests/conftest.py).
 test: data-deps test-deps $(BIN)/dspark
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not alone"  # both cores: two workers, a file each at a time
+	$(BIN)/python -m pytest -q -n $$(( $$(nproc) + 1 )) --dist loadfile -m "not alone"
 	$(BIN)/python -m pytest -q -m alone  # then Ray clusters and faults timed across hosts, by themselves
 
 lint: $(BIN)/dspark

@@ -34,7 +34,9 @@ def _start_ray() -> None:
     startup"), while the test alone and after the compile tests passed. A second failure fails the test."""
     for attempt in (1, 2):
         try:
-            ray.init(num_cpus=2, include_dashboard=False, namespace="dspark-serve-app", log_to_driver=False)
+            # address "local": a new instance of its own, never one another test or run left on the machine
+            ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="dspark-serve-app",
+                     log_to_driver=False)
             return
         except Exception as error:  # ray raises a bare Exception for this
             if attempt == 2 or "timed out during startup" not in str(error):
