@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import torch
-from scipy.stats import chisquare
+
+
+def chisquare(observed, expected):
+    """scipy's χ² test, loaded on use: each pytest-xdist worker collects every test module, and scipy.stats cost
+    1.2 s of each worker's collection here."""
+    from scipy.stats import chisquare as test
+
+    return test(observed, expected)
 
 
 def token_p_value(expected: torch.Tensor, observed: list[int]) -> float:

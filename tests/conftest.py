@@ -65,6 +65,14 @@ def pytest_sessionstart(session):
     cpu_kernels.build()
 
 
+def unique_graphs() -> int:
+    """How many graphs torch.compile has built in this process. torch._dynamo loads on use: importing it cost 2.25 s
+    of each pytest-xdist worker's collection, and only the compile tests read it."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(1234)

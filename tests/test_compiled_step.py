@@ -6,14 +6,13 @@ import copy
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from in_process.generation import GenerationRequest, InProcessRouter
 from router.scheduling.policy import Policy
 from services.compiled_step import CompiledStep
 from services.layers import RaggedLayout
 from services.types import SamplingParams
-from tests.conftest import VOCAB, make_engine, make_model, random_prompts
+from tests.conftest import VOCAB, make_engine, make_model, random_prompts, unique_graphs
 from tests.drafters import OracleProposer
 from tests.test_speculative_greedy import _bf16_linears_row_invariant
 
@@ -31,12 +30,12 @@ def bf16_model():
 @pytest.fixture(scope="module")
 def compiled_plain(bf16_model):
     """Plain greedy through a compiled engine; also how many graphs it compiled after its warm-up."""
-    before = counters["stats"]["unique_graphs"]
+    before = unique_graphs()
     engine = make_engine(bf16_model, compile=True, num_slots=3, max_batch_tokens=10)
-    graphs = counters["stats"]["unique_graphs"]
+    graphs = unique_graphs()
     assert graphs == before + 1  # the warm-up compiled the one graph (and the counter counts)
     results = InProcessRouter(engine, policy=Policy.NONE).generate(_requests())
-    return results, counters["stats"]["unique_graphs"] - graphs
+    return results, unique_graphs() - graphs
 
 
 def test_every_step_runs_the_warmed_graph(compiled_plain):

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from scipy.stats import chisquare
 
 from drafter_worker.checkpoint import drafter_config, load_drafter
 from drafter_worker.drafter import Drafter
@@ -22,6 +21,7 @@ from services.errors import ModelLoadError
 from services.model import CausalLM
 from services.sampling import logits_to_probs
 from services.types import SamplingParams
+from tests.chi2 import chisquare
 from tests.conftest import full_forward, make_engine
 from tests.draft_formats import (
     DH,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from drafter_worker import fused_block
 from drafter_worker.calibration import Calibration
@@ -16,6 +15,7 @@ from drafter_worker.drafter import Drafter
 from services import cpu_kernels
 from services.sampling import densify, logits_to_probs, truncate_to_sparse
 from services.types import SamplingParams
+from tests.chi2 import chisquare
 from tests.conftest import make_model
 from tests.test_drafters import MASK, TAPS, draft_model
 

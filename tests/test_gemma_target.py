@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 import transformers
-from torch._dynamo.utils import counters
 
 from drafter_worker.ngram import NgramProposer
 from in_process.generation import GenerationRequest, InProcessRouter
@@ -21,7 +20,7 @@ from services.layers import RaggedLayout
 from services.loader import load_model
 from services.model_config import ModelConfig
 from services.types import SamplingParams
-from tests.conftest import full_forward, make_engine
+from tests.conftest import full_forward, make_engine, unique_graphs
 from tests.drafters import RandomProposer
 
 VOCAB, WINDOW = 97, 5
@@ -183,7 +182,7 @@ def test_compiled_step_agrees_with_eager(tmp_path):
     model = load_model(tmp_path, dtype="float32", tap_layers=(1,))
     model.prepare_for_serving()
     step = CompiledStep(model, max_len=64, num_slots=3)
-    graphs = counters["stats"]["unique_graphs"]
+    graphs = unique_graphs()
     cfg = model.config
     shape = (cfg.num_hidden_layers, 3, cfg.num_key_value_heads, 64, cfg.head_dim)
     layouts = [RaggedLayout([2, 0], [0, 0], [7, 12]), RaggedLayout([0, 1, 2], [12, 0, 7], [3, 5, 1]),
@@ -203,7 +202,7 @@ def test_compiled_step_agrees_with_eager(tmp_path):
     for e, c in zip(results["eager"], results["compiled"], strict=True):
         torch.testing.assert_close(c.logits, e.logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(c.features, e.features, atol=1e-5, rtol=1e-5)
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert unique_graphs() == graphs
 
 
 REFUSALS = {

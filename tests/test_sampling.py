@@ -6,7 +6,6 @@ import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from services.sampling import (
     accept_greedy,
@@ -17,6 +16,7 @@ from services.sampling import (
     truncate_to_sparse,
 )
 from services.types import OutcomeKind, SamplingParams
+from tests.chi2 import chisquare
 
 
 def test_greedy_hand_cases():

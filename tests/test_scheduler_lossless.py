@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from scipy.stats import chisquare
 
 from router.scheduling.algorithm1 import schedule
 from router.scheduling.budget import VerifierView, VerifyBudget, leading, plan_budget
 from router.scheduling.sps import survival
 from services.sampling import accept_stochastic
+from tests.chi2 import chisquare
 
 P1 = np.array([0.5, 0.3, 0.2])
 P2 = np.array([[0.6, 0.2, 0.2], [0.1, 0.7, 0.2], [0.3, 0.3, 0.4]])  # p_2(· | y_1)

@@ -10,7 +10,6 @@ import json
 import llguidance
 import pytest
 import torch
-from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
 from drafter_worker.checkpoint import drafter_config, load_drafter
 from drafter_worker.drafter import Drafter
@@ -22,6 +21,7 @@ from services.loader import load_model
 from services.registry import resolve_model
 from services.tokenizer import TextTokenizer
 from services.types import DraftBlock, Grammar, SamplingParams
+from tests.chi2 import chisquare
 from tests.conftest import make_engine
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -55,6 +55,10 @@ def _requests(tok, grammar, temperature=0.0, n=1):
 
 
 def test_row_masks_equal_a_matcher_walked_token_by_token(target, tok):
+    # llguidance's own torch helpers are the reference, imported here: their import compiles a kernel (1.9 s of
+    # every pytest-xdist worker's collection)
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
     gt = GrammarTokenizer(target.source_dir, target.config.vocab_size)
     grammar = gt.start(GRAMMARS[0])
     committed = tok.encode('{"name": "ab', add_special_tokens=False)
@@ -216,8 +220,6 @@ class _SampledJunk(_Junk):
 def test_sampled_constrained_speculative_output_follows_the_masked_target(target, tok):
     """χ² of the first and second tokens at T = 1 against the exact masked target distribution, with drafts the
     grammar forbids, allows and prefers."""
-    from scipy.stats import chisquare
-
     from services.grammar import RequestGrammar
 
     grammar, n, vocab = Grammar("regex", "[a-d]{1,3}-[a-d]{1,3}"), 1500, target.config.vocab_size
