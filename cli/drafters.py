@@ -298,12 +298,11 @@ def run_eval(args: argparse.Namespace) -> int:
     import sys
 
     from drafter_worker.drafter import Drafter
-    from services.registry import list_models, resolve_model
+    from services.registry import drafters_of, resolve_model
     from services.tokenizer import TextTokenizer
     from training.eval.report import EvalSpec, command_line, evaluate_drafter, markdown, read_prompts
 
-    names = ([e.name for e in list_models() if e.kind == "drafter" and e.target == args.target]
-             if args.drafter == "all" else args.drafter.split(","))
+    names = drafters_of(args.target) if args.drafter == "all" else args.drafter.split(",")
     spec = EvalSpec(datasets=tuple(args.datasets.split(",")), gammas=tuple(int(g) for g in args.gamma.split(",")),
                     temperatures=tuple(float(t) for t in args.temperature.split(",")),
                     batches=tuple(int(b) for b in args.batch.split(",")), prompts=args.prompts,

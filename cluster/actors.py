@@ -15,13 +15,15 @@ import asyncio
 import os
 import socket
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import ray
 
 from cluster.devices import ray_device
-from drafter_worker.settings import DrafterSettings
 from protos.tier import RunningTier, set_threads
-from verifier_worker.settings import VerifierSettings
+
+if TYPE_CHECKING:
+    from verifier_worker.settings import VerifierSettings
 
 # Shards wait in a collective for rank 0's next call however long the replica stays idle; a rank that dies
 # is handled by the controller, which replaces the whole replica, so the timeout only has to outlast idleness.
@@ -66,6 +68,8 @@ class _Replica:
 
 class DrafterReplica(_Replica):
     def __init__(self, settings: dict):
+        from drafter_worker.settings import DrafterSettings  # each replica loads its own tier's modules only
+
         super().__init__()
         self.settings = DrafterSettings.model_validate(settings)
 
@@ -80,6 +84,8 @@ class VerifierReplica(_Replica):
     """Rank 0 of a verifier replica: the Engine, the gRPC server, and (TP > 1) the driver of the shards."""
 
     def __init__(self, settings: dict, world: int = 1):
+        from verifier_worker.settings import VerifierSettings
+
         super().__init__()
         self.settings, self.world = VerifierSettings.model_validate(settings), world
         self._group_address: str | None = None
@@ -112,6 +118,8 @@ class VerifierShard:
     """Rank ≥ 1 of a tensor-parallel verifier replica: follows rank 0's forwards until it closes the group."""
 
     def __init__(self, settings: dict, rank: int, world: int):
+        from verifier_worker.settings import VerifierSettings
+
         self.settings, self.rank, self.world = VerifierSettings.model_validate(settings), rank, world
 
     def ping(self) -> int:

@@ -122,7 +122,7 @@ def check_models(settings: ServeSettings) -> None:
     A target with no drafters (none shipped for it, none named) is served without speculation, as vLLM
     serves a model for which no draft model is configured."""
     from services.model_config import ModelConfig
-    from services.registry import list_models, model_name, resolve_model
+    from services.registry import drafters_of, model_name, resolve_model
     from services.tokenizer import TextTokenizer
 
     for name in dict.fromkeys((settings.router.model, settings.verifier.model, settings.drafter.model)):
@@ -130,8 +130,7 @@ def check_models(settings: ServeSettings) -> None:
         ModelConfig.from_dir(model_dir)
         TextTokenizer.from_dir(model_dir)
     target = model_name(settings.drafter.model)
-    if settings.router.method != "none" and not settings.drafter.drafters and not any(
-            e.target == target for e in list_models()):
+    if settings.router.method != "none" and not settings.drafter.drafters and not drafters_of(target):
         logging.getLogger(__name__).warning("no drafters are shipped for %s and none are named "
                                             "(drafter.drafters): serving it without speculation", target)
         settings.router.method = "none"

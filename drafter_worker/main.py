@@ -21,12 +21,12 @@ from services.batching import compute_thread
 from services.embeddings import load_embeddings
 from services.errors import InvalidRequestError
 from services.model_config import ModelConfig
-from services.registry import list_models, model_name, resolve_model
+from services.registry import drafters_of, resolve_model
 from services.tls import read_tls
 
 
 def drafter_service(s: DrafterSettings) -> DrafterService:
-    names = s.drafters or [e.name for e in list_models() if e.target == model_name(s.model)]
+    names = s.drafters or drafters_of(s.model)
     if not names:
         raise InvalidRequestError(f"no drafters given and none shipped for {s.model}")
     layers = ModelConfig.from_dir(resolve_model(s.model)).num_hidden_layers

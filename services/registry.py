@@ -10,9 +10,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from services import gguf
 from services.errors import ModelLoadError
-from services.pip_models import PIP_MODELS
 
 MODELS_DIR = Path(os.environ.get("DSPARK_MODELS_DIR", Path(__file__).resolve().parents[1] / "models"))
 
@@ -37,37 +35,54 @@ def _parameters(model_dir: Path) -> int:
     return total
 
 
-def list_models(root: Path | None = None) -> list[ModelEntry]:
-    """The models under `models/`, then the ones a pip package brings (path empty until installed)."""
-    root = root or MODELS_DIR
+def _shipped(root: Path | None) -> list[ModelEntry]:
     entries = []
-    for config in sorted(root.glob("*/config.json")):
+    for config in sorted((root or MODELS_DIR).glob("*/config.json")):
         raw = json.loads(config.read_text())
         drafter = raw.get("dspark_drafter") or {}
         entries.append(ModelEntry(
             name=config.parent.name, kind="drafter" if drafter else "target", path=str(config.parent),
             parameters=_parameters(config.parent), target=drafter.get("target"),
         ))
+    return entries
+
+
+def list_models(root: Path | None = None) -> list[ModelEntry]:
+    """The models under `models/`, then the ones a pip package brings (path empty until installed)."""
+    from services.pip_models import PIP_MODELS  # here: GGUF conversion loads where a model may need it
+
+    entries = _shipped(root)
     for name, pip_model in PIP_MODELS.items():
         entries.append(ModelEntry(name=name, kind="target", path=pip_model.location() or "",
                                   parameters=pip_model.parameters, target=None))
     return entries
 
 
+def drafters_of(target: str | Path, root: Path | None = None) -> list[str]:
+    """The names of the drafters shipped for `target` (a name, GGUF file or directory: `model_name`). Drafters
+    are trained here and ship under `models/`; none comes by pip."""
+    return [e.name for e in _shipped(root) if e.kind == "drafter" and e.target == model_name(target)]
+
+
 def resolve_model(name_or_path: str | Path, root: Path | None = None) -> Path:
     """A directory path as given; a `.gguf` file as its cached HF directory (services/gguf.py); else the
-    shipped model of that name, under `models/` or installed by pip (`PIP_MODELS`)."""
+    shipped model of that name, under `models/` or installed by pip (`PIP_MODELS`). The GGUF code loads only
+    where a name needs it (a drafter replica of a target under `models/` never does)."""
     root = root or MODELS_DIR
     path = Path(name_or_path)
     if path.is_dir():
         return path
-    if gguf.is_gguf(path):
-        return gguf.materialize(path)
     if path.suffix == ".gguf":
-        raise ModelLoadError(f"{name_or_path}: no such GGUF file")
+        from services import gguf
+
+        if not gguf.is_gguf(path):
+            raise ModelLoadError(f"{name_or_path}: no such GGUF file")
+        return gguf.materialize(path)
     shipped = root / str(name_or_path)
     if shipped.is_dir():
         return shipped
+    from services.pip_models import PIP_MODELS
+
     if str(name_or_path) in PIP_MODELS:
         return PIP_MODELS[str(name_or_path)].resolve()
     names = ", ".join(e.name for e in list_models(root)) or "none"

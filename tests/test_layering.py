@@ -117,24 +117,26 @@ print('\\n'.join(sorted(n for n in sys.modules if n.split('.')[0] in %r)))
 
 def test_a_drafter_replica_loads_only_the_drafter_tier():
     """What a DrafterReplica holds once it serves: its actor module, the drafter's composition root, and what
-    loading the target's embeddings and its four drafters brought in. Of the verifier only its settings (the
-    actor module declares both replica kinds); no router, HTTP or training; not the target's decoder (a
-    drafter reads its embeddings only: services/embeddings.py) nor the calibration fits (training's)."""
+    loading the target's embeddings and its four drafters brought in. Nothing of the verifier (the actor module
+    declares both replica kinds; each loads its own tier's modules); no router, HTTP or training; not the
+    target's decoder (a drafter reads its embeddings only: services/embeddings.py) nor the calibration fits
+    (training's)."""
     out = subprocess.run([sys.executable, "-c", RUNNING_DRAFTER % (sorted(ALLOWED),)], cwd=ROOT,
                          capture_output=True, text=True, check=True)
     loaded = out.stdout.split()
     tops = {m.split(".")[0] for m in loaded}
-    assert tops == {"cluster", "drafter_worker", "protos", "services", "verifier_worker"}
-    assert [m for m in loaded if m.startswith("verifier_worker.")] == ["verifier_worker.settings"]
+    assert tops == {"cluster", "drafter_worker", "protos", "services"}
     assert not {"services.model", "services.gemma", "services.calibration_metrics"} & set(loaded)
-    # released formats' readers, constrained drafting and the load board load when a checkpoint, request or
-    # board URL needs them
+    # released formats' readers, constrained drafting, the load board and the GGUF code load when a checkpoint,
+    # request, board URL or model needs them
     assert [m for m in loaded if m.startswith("drafter_worker.formats.") or m in LOADED_ON_USE] == []
-    assert len(loaded) <= 62, len(loaded)  # 67 while it loaded the whole target and the fits, 64 the board
+    assert len(loaded) <= 58, len(loaded)  # 67 with the whole target and the fits, 64 the board, 62 the verifier's
+    # settings, 60 the GGUF code
 
 
 LOADED_ON_USE = ("drafter_worker.constrained", "services.grammar", "services.tokenizer",
-                 "services.load_board")  # with the Redis client, only where a board is configured
+                 "services.load_board",  # with the Redis client, only where a board is configured
+                 "services.gguf", "services.pip_models")  # where a model is a GGUF file or comes by pip
 
 
 COMPILER_FREE = """

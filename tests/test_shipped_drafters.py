@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cli.main import main
-from services.registry import MODELS_DIR, list_models
+from services.registry import MODELS_DIR, drafters_of, list_models
 from tests.test_shipped_model import TARGET, _first_prompts
 
 METHODS = ("mtp", "eagle3", "dflash", "dspark")
@@ -21,6 +21,15 @@ def test_drafters_are_listed_with_their_target_and_calibration():
         for method in METHODS:
             assert entries[f"{target}-{method}"].kind == "drafter" and entries[f"{target}-{method}"].target == target
         assert (MODELS_DIR / f"{target}-dspark" / "calibration.json").is_file()
+
+
+def test_the_drafters_of_a_target_are_the_ones_shipped_for_it():
+    """What a drafter replica with no drafters named loads, and `dspark eval --drafter all` evaluates: a name,
+    a GGUF file or a directory name the target by `model_name`; a drafter or unknown model has none."""
+    for target in (*TARGETS, "gemma-3-270m"):
+        assert sorted(drafters_of(target)) == sorted(f"{target}-{m}" for m in METHODS)
+    assert sorted(drafters_of("/somewhere/gemma-3-270m.gguf")) == sorted(drafters_of("gemma-3-270m"))
+    assert drafters_of(f"{TARGET}-dspark") == [] and drafters_of("no-such-model") == []
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: the AVX512 or AMX kernels where the CPU has them
