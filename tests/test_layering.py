@@ -188,6 +188,47 @@ def test_one_definition_per_class_name():
     assert {name: where for name, where in class_definitions().items() if len(where) > 1} == {}
 
 
+def wide_tier_calls(root: Path = ROOT) -> list[str]:
+    """Tier calls (the methods of router/tiers/protocol.py's protocols) with more than three parameters besides
+    `self`, in every class that serves or relays them: the protocols, pooling, the gRPC client, the in-process
+    adapters, the tiers' services and servicers (a class that defines `prefill`, `verify` or `draft`)."""
+    tree = ast.parse((root / "router/tiers/protocol.py").read_text())
+    calls = {f.name for c in tree.body if isinstance(c, ast.ClassDef) for f in c.body
+             if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)}
+    wide = []
+    for package in ALLOWED:
+        for path in sorted((root / package).rglob("*.py")):
+            for cls in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not isinstance(cls, ast.ClassDef):
+                    continue
+                methods = [f for f in cls.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
+                if not {"prefill", "verify", "draft"} & {f.name for f in methods}:
+                    continue
+                for f in methods:
+                    a = f.args
+                    width = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+                    if f.name in calls and width - 1 > 3:
+                        wide.append(f"{path.relative_to(root)}:{f.lineno} {cls.name}.{f.name}")
+    return wide
+
+
+def test_tier_calls_are_messages():
+    """Calls are messages: a tier call carries one typed message (services/calls.py), never a long positional
+    list, from the protocol through pooling, the gRPC client and the service to the core."""
+    assert wide_tier_calls() == []
+
+
+def test_a_wide_tier_call_is_caught(tmp_path):
+    for name in ALLOWED:
+        (tmp_path / name).mkdir()
+    (tmp_path / "router/tiers").mkdir()
+    (tmp_path / "router/tiers/protocol.py").write_text((ROOT / "router/tiers/protocol.py").read_text())
+    (tmp_path / "services/planted.py").write_text(
+        "class Adapter:\n    async def prefill(self, call):\n        ...\n\n"
+        "    async def verify(self, request_id, tokens, block, budget):\n        ...\n")
+    assert wide_tier_calls(tmp_path) == ["services/planted.py:5 Adapter.verify"]
+
+
 def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
     """Project module → the project modules it imports when it is loaded (its top-level statements, not a
     `TYPE_CHECKING` block nor a function body; a package's own `__init__` reached on the way is not counted)."""
