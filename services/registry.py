@@ -35,23 +35,19 @@ def _parameters(model_dir: Path) -> int:
     return total
 
 
-def _shipped(root: Path | None) -> list[ModelEntry]:
-    entries = []
-    for config in sorted((root or MODELS_DIR).glob("*/config.json")):
-        raw = json.loads(config.read_text())
-        drafter = raw.get("dspark_drafter") or {}
-        entries.append(ModelEntry(
-            name=config.parent.name, kind="drafter" if drafter else "target", path=str(config.parent),
-            parameters=_parameters(config.parent), target=drafter.get("target"),
-        ))
-    return entries
+def _shipped(root: Path | None) -> list[tuple[Path, dict]]:
+    """(directory, its `dspark_drafter` block or {} for a target) of each model under `models/`."""
+    return [(config.parent, json.loads(config.read_text()).get("dspark_drafter") or {})
+            for config in sorted((root or MODELS_DIR).glob("*/config.json"))]
 
 
 def list_models(root: Path | None = None) -> list[ModelEntry]:
     """The models under `models/`, then the ones a pip package brings (path empty until installed)."""
     from services.pip_models import PIP_MODELS  # here: GGUF conversion loads where a model may need it
 
-    entries = _shipped(root)
+    entries = [ModelEntry(name=path.name, kind="drafter" if drafter else "target", path=str(path),
+                          parameters=_parameters(path), target=drafter.get("target"))
+               for path, drafter in _shipped(root)]
     for name, pip_model in PIP_MODELS.items():
         entries.append(ModelEntry(name=name, kind="target", path=pip_model.location() or "",
                                   parameters=pip_model.parameters, target=None))
@@ -60,8 +56,9 @@ def list_models(root: Path | None = None) -> list[ModelEntry]:
 
 def drafters_of(target: str | Path, root: Path | None = None) -> list[str]:
     """The names of the drafters shipped for `target` (a name, GGUF file or directory: `model_name`). Drafters
-    are trained here and ship under `models/`; none comes by pip."""
-    return [e.name for e in _shipped(root) if e.kind == "drafter" and e.target == model_name(target)]
+    are trained here and ship under `models/`; none comes by pip. Reads each model's config.json only (a
+    replica's start-up needs no parameter counts)."""
+    return [path.name for path, drafter in _shipped(root) if drafter.get("target") == model_name(target)]
 
 
 def resolve_model(name_or_path: str | Path, root: Path | None = None) -> Path:
